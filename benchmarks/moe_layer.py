@@ -1,0 +1,126 @@
+"""MoE layer forward+backward on one GPU: stock megatron-core vs the patch set's variants.
+
+Every variant is measured in the same process as the stock path it is compared
+with, on identical weights and inputs, and printed as one JSON line:
+
+    python benchmarks/moe_layer.py --shapes qwen3-30b-a3b,mixtral --tokens 8192,32768 \
+        --precisions bf16,fp8 --variants stock,patched-defaults
+
+Fields: median ms (CUDA events), TFLOP/s of the expert GEMM work, peak MiB
+allocated during the timed steps, and ``speedup_vs_stock`` (stock ms / variant ms).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+
+from megatron.moe_patches import apply, revert  # noqa: E402
+from megatron.moe_patches.harness import (  # noqa: E402
+    SHAPES,
+    build_moe_layer,
+    expert_gemm_flops,
+    forward_backward,
+    init_single_gpu,
+    moe_config_kwargs,
+)
+
+# name -> config fields set on top of the stock config; any variant but "stock" runs with
+# the patch set applied. Feature issues add their variants here.
+VARIANTS = {
+    "stock": None,
+    "patched-defaults": {},
+}
+
+
+def measure(layer, hidden, grad, warmup: int, iters: int):
+    for _ in range(warmup):
+        forward_backward(layer, hidden, grad)
+        layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        forward_backward(layer, hidden, grad)
+        end.record()
+        layer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
+
+
+def run_variant(name, shape, tokens, precision, warmup, iters):
+    import megatron.core.transformer.transformer_config as tc_module
+
+    overrides = VARIANTS[name]
+    revert()
+    if overrides is not None:
+        apply()
+    try:
+        config = tc_module.TransformerConfig(**moe_config_kwargs(shape, precision, **(overrides or {})))
+        layer = build_moe_layer(config)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+        grad = torch.randn_like(hidden)
+        ms, peak = measure(layer, hidden, grad, warmup, iters)
+    finally:
+        revert()
+        del layer
+        torch.cuda.empty_cache()
+    return ms, peak
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
+    parser.add_argument("--tokens", default="8192", help="comma list of token counts")
+    parser.add_argument("--precisions", default="bf16,fp8", help="comma list of bf16, fp8 (tensorwise)")
+    parser.add_argument("--variants", default="stock", help=f"comma list of {list(VARIANTS)}")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = parser.parse_args(argv)
+
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS] + [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown variant/shape: {unknown}")
+    if "stock" not in variants:
+        variants.insert(0, "stock")  # ratios always need the stock path of the same run
+
+    init_single_gpu()
+    sink = open(args.out, "a") if args.out else None
+    device = torch.cuda.get_device_name()
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for precision in args.precisions.split(","):
+                stock_ms = None
+                for variant in variants:
+                    ms, peak = run_variant(variant, shape, tokens, precision, args.warmup, args.iters)
+                    stock_ms = ms if variant == "stock" else stock_ms
+                    row = dict(
+                        shape=shape_name, tokens=tokens, precision=precision, variant=variant,
+                        ms=round(ms, 3),
+                        tflops=round(expert_gemm_flops(shape, tokens) / ms / 1e9, 1),
+                        peak_mib=round(peak),
+                        speedup_vs_stock=round(stock_ms / ms, 3),
+                        device=device,
+                    )
+                    line = json.dumps(row)
+                    print(line, flush=True)
+                    if sink:
+                        sink.write(line + "\n")
+    if sink:
+        sink.close()
+
+
+if __name__ == "__main__":
+    main()

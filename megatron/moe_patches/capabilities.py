@@ -1,0 +1,161 @@
+"""Capability probes for the installed megatron-core, Transformer Engine and deep_ep.
+
+Everything here imports lazily and never raises on a missing library: a probe
+answers False (or None for a version) instead. Probes look at what the code
+offers (dataclass fields, attributes, signature parameters), because version
+strings say little about forks and backports.
+"""
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import inspect
+from typing import Optional
+
+from packaging.version import Version
+
+SUPPORTED_MCORE = (Version("0.16.1"), Version("0.17"))  # [low, high)
+
+
+def _version_of(dist: str) -> Optional[Version]:
+    try:
+        return Version(importlib.metadata.version(dist))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def mcore_version() -> Optional[Version]:
+    """Version of the imported megatron-core (from the package, so a source tree counts)."""
+    try:
+        from megatron.core import package_info
+
+        return Version(package_info.__version__)
+    except ImportError:
+        return _version_of("megatron-core")
+
+
+def mcore_supported(version: Optional[Version] = None) -> bool:
+    version = version or mcore_version()
+    return version is not None and SUPPORTED_MCORE[0] <= version < SUPPORTED_MCORE[1]
+
+
+@functools.lru_cache(maxsize=None)
+def te_version() -> Optional[Version]:
+    """Transformer Engine's version, or None when TE's PyTorch side cannot be imported."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401  (the part this project uses)
+    except Exception:  # ImportError, or a broken CUDA library behind it
+        return None
+    for dist in ("transformer-engine", "transformer_engine"):
+        version = _version_of(dist)
+        if version is not None:
+            return version
+    import transformer_engine
+
+    return Version(transformer_engine.__version__)
+
+
+def _te_attr(path: str):
+    """``transformer_engine.pytorch.<path>`` or None."""
+    if te_version() is None:
+        return None
+    module_name, _, attr = ("transformer_engine.pytorch." + path).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr, None)
+    except ImportError:
+        return None
+
+
+def accepts_parameter(fn, name: str) -> bool:
+    """Whether ``fn`` declares a parameter called ``name``.
+
+    A bare ``*args, **kwargs`` signature says nothing, so it counts as "no":
+    passing an unknown keyword to such a wrapper is exactly the failure to avoid.
+    """
+    if fn is None:
+        return False
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# --- Transformer Engine -----------------------------------------------------------------
+
+
+def te_fused_permute_pad() -> bool:
+    """TE's fused permute+pad with probs and an unpermute that takes pad_offsets (F1)."""
+    return _te_attr("permutation.moe_permute_and_pad_with_probs") is not None and accepts_parameter(
+        _te_attr("permutation.moe_unpermute"), "pad_offsets"
+    )
+
+
+def te_op_fuser_grouped_mlp() -> bool:
+    """TE ops for a grouped MLP pipeline: GroupedLinear and the router-prob-scaled GLUs (F4)."""
+    return all(_te_attr(f"ops.{op}") is not None for op in ("GroupedLinear", "ScaledSwiGLU"))
+
+
+def te_ops_grouped_linear_has(option: str) -> bool:
+    """Whether ``te.pytorch.ops.GroupedLinear`` takes a constructor option (F4/F5)."""
+    return accepts_parameter(_te_attr("ops.GroupedLinear"), option)
+
+
+def te_grouped_linear_device_splits() -> bool:
+    """Whether TE's module GroupedLinear.forward takes m_splits as a tensor (F8, ROCm TE)."""
+    grouped_linear = _te_attr("GroupedLinear")
+    return grouped_linear is not None and accepts_parameter(grouped_linear.forward, "m_splits_tensor")
+
+
+def deep_ep_hybridep_blocks() -> bool:
+    """Whether deep_ep's HybridEP buffer takes permute/unpermute block counts (F2)."""
+    try:
+        deep_ep = importlib.import_module("deep_ep")
+    except ImportError:
+        return False
+    buffer = getattr(deep_ep, "HybridEPBuffer", None)
+    return buffer is not None and accepts_parameter(buffer.__init__, "num_blocks_permute")
+
+
+# --- megatron-core: does it already have a feature natively? ----------------------------
+
+# id(patched object) -> (patched, stock) for everything apply() installed, so that native
+# probes see megatron-core as shipped rather than the patches themselves.
+_installed = {}
+
+
+def note_installed(stock, patched) -> None:
+    _installed[id(patched)] = (patched, stock)
+
+
+def note_reverted(patched) -> None:
+    _installed.pop(id(patched), None)
+
+
+def stock(obj):
+    """The stock object behind ``obj`` if ``obj`` is one of our installed replacements."""
+    entry = _installed.get(id(obj))
+    return entry[1] if entry is not None and entry[0] is obj else obj
+
+
+def _config_fields(config_class=None) -> set:
+    if config_class is None:
+        config_class = mcore_attr("transformer.transformer_config", "TransformerConfig")
+    return {f.name for f in dataclasses.fields(config_class)}
+
+
+def mcore_has_fields(*names: str, config_class=None) -> bool:
+    return set(names) <= _config_fields(config_class)
+
+
+def mcore_attr(module: str, path: str):
+    """``megatron.core.<module>.<path>`` (dotted attribute path) or None."""
+    try:
+        obj = importlib.import_module("megatron.core." + module)
+    except Exception:  # a megatron-core module that needs a missing optional library
+        return None
+    for part in path.split("."):
+        obj = stock(getattr(obj, part, None))
+        if obj is None:
+            return None
+    return obj

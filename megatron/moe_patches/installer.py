@@ -1,0 +1,163 @@
+"""apply() / revert() / status(): install the series into the imported megatron-core.
+
+A patch is a list of (stock object, patched object) pairs. Installing one
+rebinds every module-level name in ``megatron.*`` that refers to the stock
+object (``from x import f`` copies the reference, so patching the defining
+module alone misses those), and reverting rebinds the patched object back,
+including in modules imported while the patch was on. Identity decides
+everything, so applying twice is applying once.
+"""
+
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.registry import BY_ID, SERIES, Feature, get
+
+logger = logging.getLogger(__name__)
+
+_OWN_PACKAGE = __name__.rpartition(".")[0]
+
+# feature id -> the (stock, patched) pairs it installed
+_applied: Dict[str, List[Tuple[object, object]]] = {}
+
+
+@dataclass(frozen=True)
+class FeatureStatus:
+    id: str
+    title: str
+    state: str  # applied | native | skipped | pending | off
+    reason: str
+    te_ok: Optional[bool]  # None: the feature needs nothing from TE
+
+    def line(self) -> str:
+        te = {None: "-", True: "ok", False: "missing"}[self.te_ok]
+        return f"{self.id:3} {self.state:8} TE:{te:8} {self.title} — {self.reason}"
+
+
+def rebind_everywhere(old: object, new: object) -> int:
+    """Point every ``megatron.*`` module-level name bound to ``old`` at ``new``.
+
+    This package's own modules are left alone: they hold the stock objects on purpose.
+    Returns the number of names rebound.
+    """
+    count = 0
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("megatron."):
+            continue
+        if module_name == _OWN_PACKAGE or module_name.startswith(_OWN_PACKAGE + "."):
+            continue
+        namespace = getattr(module, "__dict__", {})
+        for name, value in list(namespace.items()):
+            if value is old:
+                setattr(module, name, new)
+                count += 1
+    return count
+
+
+def _selected(features: Optional[Iterable[str]]) -> List[Feature]:
+    if features is None:
+        return list(SERIES)
+    wanted = {get(feature_id).id for feature_id in features}
+    for feature_id in list(wanted):
+        wanted.update(get(feature_id).requires)
+    return [feature for feature in SERIES if feature.id in wanted]
+
+
+def _te_ok(feature: Feature) -> Optional[bool]:
+    return None if feature.te_probe is None else bool(feature.te_probe())
+
+
+def _why_not(feature: Feature) -> Optional[FeatureStatus]:
+    """The status of a feature that apply() must not install, or None if it may."""
+    te_ok = _te_ok(feature)
+    version = cap.mcore_version()
+    if feature.native():
+        return FeatureStatus(
+            feature.id, feature.title, "native", f"megatron-core {version} has it", te_ok
+        )
+    if feature.module is None:
+        return FeatureStatus(
+            feature.id, feature.title, "pending", f"not implemented yet (issue #{feature.issue})", te_ok
+        )
+    if not cap.mcore_supported(version):
+        low, high = cap.SUPPORTED_MCORE
+        return FeatureStatus(
+            feature.id,
+            feature.title,
+            "skipped",
+            f"megatron-core {version} is outside the tested range [{low}, {high})",
+            te_ok,
+        )
+    missing = [dep for dep in feature.requires if dep not in _applied]
+    if missing:
+        return FeatureStatus(
+            feature.id, feature.title, "skipped", f"needs {', '.join(missing)} applied", te_ok
+        )
+    return None
+
+
+def apply(features: Optional[Sequence[str]] = None) -> List[FeatureStatus]:
+    """Install the selected features (default: the whole series) and their prerequisites.
+
+    Features megatron-core already has natively, pending ones and those that cannot run
+    here are skipped with a logged reason. Safe to call any number of times.
+    """
+    for feature in _selected(features):
+        if feature.id in _applied:
+            continue
+        blocked = _why_not(feature)
+        if blocked is not None:
+            logger.info("moe_patches: %s", blocked.line())
+            continue
+        pairs = importlib.import_module(feature.module).replacements()
+        for old, new in pairs:
+            rebind_everywhere(old, new)
+            cap.note_installed(old, new)
+        _applied[feature.id] = pairs
+        logger.info("moe_patches: applied %s (%s)", feature.id, feature.title)
+    return status()
+
+
+def revert(features: Optional[Sequence[str]] = None) -> None:
+    """Undo apply() for the selected features (default: all), newest first.
+
+    Reverting a feature also reverts every applied feature that requires it.
+    """
+    if features is None:
+        targets = set(_applied)
+    else:
+        targets = {get(feature_id).id for feature_id in features}
+        targets |= {f.id for f in SERIES if set(f.requires) & targets}
+    for feature in reversed(SERIES):
+        if feature.id in targets and feature.id in _applied:
+            for old, new in reversed(_applied.pop(feature.id)):
+                rebind_everywhere(new, old)
+                cap.note_reverted(new)
+            logger.info("moe_patches: reverted %s", feature.id)
+
+
+def is_applied(feature_id: str) -> bool:
+    return get(feature_id).id in _applied
+
+
+def status() -> List[FeatureStatus]:
+    """One row per series entry: applied, native, pending, skipped (with why) or off."""
+    rows = []
+    for feature in SERIES:
+        if feature.id in _applied:
+            rows.append(FeatureStatus(feature.id, feature.title, "applied", "installed", _te_ok(feature)))
+            continue
+        blocked = _why_not(feature)
+        if blocked is None:
+            blocked = FeatureStatus(
+                feature.id, feature.title, "off", "available; call apply()", _te_ok(feature)
+            )
+        rows.append(blocked)
+    return rows
+
+
+__all__ = ["apply", "revert", "status", "is_applied", "rebind_everywhere", "FeatureStatus", "BY_ID"]

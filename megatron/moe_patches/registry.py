@@ -1,0 +1,212 @@
+"""The patch series, in order. Start here: every feature is one entry below.
+
+Each entry names the module that implements it (``module``; it exposes
+``replacements()``, the (stock object, patched object) pairs that ``apply()``
+rebinds), its config fields, the upstream pull requests it brings, what it
+needs from Transformer Engine (a capability probe, not a version guess), a
+``native`` probe that recognises a megatron-core which already has it, its page
+under ``patches/`` and the test that proves it.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+from megatron.moe_patches import capabilities as cap
+
+
+@dataclass(frozen=True)
+class Feature:
+    id: str
+    title: str
+    changes: str
+    fields: Tuple[str, ...]
+    upstream: Tuple[str, ...]
+    te_requirement: str
+    te_probe: Optional[Callable[[], bool]]
+    native: Callable[[], bool]
+    page: str
+    test: str
+    module: Optional[str]  # None: not implemented yet (see ``issue``)
+    issue: int
+    requires: Tuple[str, ...] = ("C0",)
+
+
+def _f6_native() -> bool:
+    grouped_linear = cap.mcore_attr("extensions.transformer_engine", "TEGroupedLinear")
+    if grouped_linear is None:
+        # Without TE the TE extension classes are not defined; upstream ships the key
+        # conversion together with the single grouped weight field.
+        return cap.mcore_has_fields("moe_single_grouped_weight")
+    return hasattr(grouped_linear, "_split_grouped_checkpoint_tensor")
+
+
+_PATCH_FIELDS = (
+    "use_transformer_engine_op_fuser",
+    "moe_mlp_glu_interleave_size",
+    "moe_single_grouped_weight",
+    "moe_single_grouped_bias",
+    "moe_hybridep_num_blocks_permute",
+    "moe_hybridep_num_blocks_unpermute",
+    "moe_device_tokens_per_expert",
+)
+
+SERIES: Tuple[Feature, ...] = (
+    Feature(
+        id="C0",
+        title="Config fields and flags",
+        changes="TransformerConfig/MLATransformerConfig subclasses with the patch fields and their "
+        "validation; apply() rebinds the stock class names to them.",
+        fields=_PATCH_FIELDS,
+        upstream=("NVIDIA/Megatron-LM#4636", "NVIDIA/Megatron-LM#4073", "ROCm/Megatron-LM (seed 004)"),
+        te_requirement="none",
+        te_probe=None,
+        native=lambda: cap.mcore_has_fields(*_PATCH_FIELDS),
+        page="patches/C0-config-fields.md",
+        test="tests/unit/test_config.py, tests/gpu/test_foundation.py",
+        module="megatron.moe_patches.config",
+        issue=2,
+        requires=(),
+    ),
+    Feature(
+        id="F1",
+        title="Fused permute+pad / unpermute+unpad",
+        changes="Dispatchers permute straight into the quantization-aligned expert layout with TE's "
+        "moe_permute_and_pad_with_probs and restore with moe_unpermute(pad_offsets=...).",
+        fields=(),
+        upstream=("NVIDIA/Megatron-LM#2763", "NVIDIA/TransformerEngine#1921"),
+        te_requirement="moe_permute_and_pad_with_probs and moe_unpermute(pad_offsets=)",
+        te_probe=cap.te_fused_permute_pad,
+        native=lambda: cap.accepts_parameter(
+            cap.mcore_attr("transformer.moe.moe_utils", "unpermute"), "pad_offsets"
+        ),
+        page="patches/F1-fused-permute-pad.md",
+        test="tests/gpu/test_fused_permute_pad.py",
+        module=None,
+        issue=3,
+    ),
+    Feature(
+        id="F2",
+        title="HybridEP permute/unpermute block counts",
+        changes="Passes moe_hybridep_num_blocks_permute/_unpermute to HybridEP's fused "
+        "dispatch/combine when the installed deep_ep accepts them.",
+        fields=("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute"),
+        upstream=("NVIDIA/Megatron-LM#4073", "NVIDIA/Megatron-LM#4089"),
+        te_requirement="none (deep_ep HybridEPBuffer(num_blocks_permute=...))",
+        te_probe=None,
+        native=lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute"),
+        page="patches/F2-hybridep-blocks.md",
+        test="tests/unit/test_hybridep_blocks.py",
+        module=None,
+        issue=3,
+    ),
+    Feature(
+        id="F3",
+        title="Skip routed expert padding",
+        changes="skip_routed_expert_padding(config): experts skip their own quantization padding "
+        "when the router or the dispatcher already padded on device.",
+        fields=(),
+        upstream=("NVIDIA/Megatron-LM#4071", "NVIDIA/Megatron-LM#4636"),
+        te_requirement="none",
+        te_probe=None,
+        native=lambda: cap.mcore_attr("transformer.moe.moe_utils", "skip_routed_expert_padding")
+        is not None,
+        page="patches/F3-skip-routed-padding.md",
+        test="tests/unit/test_padding_decision.py",
+        module=None,
+        issue=3,
+    ),
+    Feature(
+        id="F4",
+        title="Op-fuser grouped MLP",
+        changes="TEGroupedMLP runs FC1 -> scaled GLU -> FC2 as one te.pytorch.ops pipeline on the "
+        "module's own parameters; GLU interleave; prob-scaled grouped bias; fused backward_dw().",
+        fields=("use_transformer_engine_op_fuser", "moe_mlp_glu_interleave_size"),
+        upstream=(
+            "NVIDIA/Megatron-LM#3890",
+            "NVIDIA/Megatron-LM#4095",
+            "NVIDIA/Megatron-LM#4219",
+            "NVIDIA/Megatron-LM#4311",
+            "NVIDIA/Megatron-LM#4636",
+        ),
+        te_requirement="te.pytorch.ops GroupedLinear + ScaledSwiGLU (TE >= 2.14)",
+        te_probe=cap.te_op_fuser_grouped_mlp,
+        native=lambda: cap.mcore_has_fields(
+            "use_transformer_engine_op_fuser", "moe_mlp_glu_interleave_size"
+        ),
+        page="patches/F4-op-fuser-grouped-mlp.md",
+        test="tests/gpu/test_op_fuser_grouped_mlp.py",
+        module=None,
+        issue=4,
+    ),
+    Feature(
+        id="F5",
+        title="Single grouped expert parameters",
+        changes="Expert weights/biases stored as one [num_experts, ...] parameter per FC.",
+        fields=("moe_single_grouped_weight", "moe_single_grouped_bias"),
+        upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4219"),
+        te_requirement="te.pytorch.ops.GroupedLinear(single_grouped_weight=...)",
+        te_probe=lambda: cap.te_ops_grouped_linear_has("single_grouped_weight"),
+        native=lambda: cap.mcore_has_fields("moe_single_grouped_weight", "moe_single_grouped_bias"),
+        page="patches/F5-single-grouped-params.md",
+        test="tests/gpu/test_single_grouped_params.py",
+        module=None,
+        issue=4,
+    ),
+    Feature(
+        id="F6",
+        title="Grouped checkpoint compatibility",
+        changes="load_state_dict pre-hook converting weight0..N-1 <-> grouped weight; sharded "
+        "checkpoints keep per-expert keys.",
+        fields=(),
+        upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4636"),
+        te_requirement="none beyond F5",
+        te_probe=None,
+        native=_f6_native,
+        page="patches/F6-grouped-checkpoint-keys.md",
+        test="tests/unit/test_grouped_checkpoint_keys.py",
+        module=None,
+        issue=5,
+    ),
+    Feature(
+        id="F7",
+        title="DistributedOptimizer grouped tensors",
+        changes="Detects grouped (quantized) params, widens shards to whole groups for casting, "
+        "normalises the model-param <-> state-dict map across grouped/indexed layouts.",
+        fields=(),
+        upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4324"),
+        te_requirement="none beyond F5",
+        te_probe=None,
+        native=lambda: cap.mcore_attr(
+            "optimizer.distrib_optimizer", "DistributedOptimizer._normalize_state_dict_for_grouped_params"
+        )
+        is not None,
+        page="patches/F7-distopt-grouped.md",
+        test="tests/gpu/test_distopt_grouped.py",
+        module=None,
+        issue=5,
+    ),
+    Feature(
+        id="F8",
+        title="Device-resident tokens_per_expert",
+        changes="tokens_per_expert stays on the GPU from routing to the expert GEMMs for backends "
+        "that take device splits; one host copy for the others.",
+        fields=("moe_device_tokens_per_expert",),
+        upstream=("ROCm/Megatron-LM (seed 004: GPU m_splits for grouped GEMM)",),
+        te_requirement="GroupedLinear.forward(m_splits_tensor=) where present; else own backend",
+        te_probe=cap.te_grouped_linear_device_splits,
+        native=lambda: cap.mcore_has_fields("moe_device_tokens_per_expert"),
+        page="patches/F8-device-tokens-per-expert.md",
+        test="tests/gpu/test_device_splits.py",
+        module=None,
+        issue=6,
+    ),
+)
+
+BY_ID = {feature.id: feature for feature in SERIES}
+
+
+def get(feature_id: str) -> Feature:
+    try:
+        return BY_ID[feature_id]
+    except KeyError:
+        raise KeyError(f"unknown patch {feature_id!r}; the series is {', '.join(BY_ID)}") from None

@@ -1,0 +1,181 @@
+import dataclasses
+import importlib
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+import megatron.core.transformer.transformer_config as tc_module
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.moe_patches import apply, capabilities, installer, is_applied, revert, status
+from megatron.moe_patches.config import PatchedMLATransformerConfig, PatchedTransformerConfig
+
+# Load the modules that consume the config class, so rebinding has real work to do.
+importlib.import_module("megatron.core.models.gpt.gpt_model")
+importlib.import_module("megatron.core.transformer.moe.moe_layer")
+
+
+def megatron_bindings():
+    """(module, name) -> id(value) for every module-level name in megatron-core."""
+    return {
+        (name, attr): id(value)
+        for name, module in list(sys.modules.items())
+        if module is not None and name.startswith("megatron.core")
+        for attr, value in list(vars(module).items())
+    }
+
+
+def names_bound_to(obj):
+    return {
+        (name, attr)
+        for name, module in list(sys.modules.items())
+        if module is not None and name.startswith("megatron.core")
+        for attr, value in list(vars(module).items())
+        if value is obj
+    }
+
+
+def test_import_changes_nothing():
+    code = (
+        "import sys, megatron.core.transformer.transformer_config as t; before = t.TransformerConfig;"
+        "import megatron.moe_patches, megatron.moe_patches.arguments, megatron.moe_patches.pretrain;"
+        "assert t.TransformerConfig is before; assert not megatron.moe_patches.installer._applied;"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_apply_rebinds_everywhere_and_revert_restores_identity(reverted):
+    before = megatron_bindings()
+    stock_sites = names_bound_to(TransformerConfig)
+    assert len(stock_sites) > 5  # defining module, package re-exports, consumers
+
+    apply(["C0"])
+    assert is_applied("C0")
+    assert tc_module.TransformerConfig is PatchedTransformerConfig
+    assert tc_module.MLATransformerConfig is PatchedMLATransformerConfig
+    assert names_bound_to(PatchedTransformerConfig) == stock_sites
+    assert not names_bound_to(TransformerConfig)
+
+    revert()
+    assert not is_applied("C0")
+    assert megatron_bindings() == before
+
+
+def test_apply_twice_equals_apply_once(reverted):
+    apply(["C0"])
+    once = megatron_bindings()
+    rows_once = [r.state for r in status()]
+    apply(["C0"])
+    apply()
+    assert megatron_bindings() == once
+    assert [r.state for r in status()] == rows_once
+    assert list(installer._applied) == ["C0"]
+
+
+def test_revert_covers_modules_imported_while_applied(reverted):
+    sys.modules.pop("megatron.core.transformer.moe.shared_experts", None)
+    apply(["C0"])
+    module = importlib.import_module("megatron.core.transformer.moe.shared_experts")
+    assert module.TransformerConfig is PatchedTransformerConfig
+    revert()
+    assert module.TransformerConfig is TransformerConfig
+
+
+def test_stock_name_accepts_patch_fields_after_apply(reverted):
+    kwargs = dict(num_layers=1, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(TypeError):
+        tc_module.TransformerConfig(**kwargs, use_transformer_engine_op_fuser=False)
+    apply()
+    config = tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=False)
+    assert "moe_device_tokens_per_expert" in {f.name for f in dataclasses.fields(config)}
+    with pytest.raises(ValueError, match="moe_hybridep_num_blocks_permute"):
+        tc_module.TransformerConfig(**kwargs, moe_hybridep_num_blocks_permute=0)
+    mla = tc_module.MLATransformerConfig(**kwargs, moe_device_tokens_per_expert=False)
+    assert isinstance(mla, MLATransformerConfig)
+    # megatron-core's own isinstance checks now name the patched class; stock configs still pass.
+    from megatron.core.transformer import module as module_module
+
+    assert module_module.TransformerConfig is PatchedTransformerConfig
+    module_module.MegatronModule(TransformerConfig(**kwargs))
+
+
+def test_revert_of_prerequisite_reverts_dependents(reverted, monkeypatch):
+    fake = installer.get("F3")
+    monkeypatch.setattr(installer, "_applied", {"C0": [], fake.id: []})
+    revert(["C0"])
+    assert installer._applied == {}
+
+
+def test_pending_features_are_reported_not_installed(reverted):
+    rows = {r.id: r for r in apply()}
+    assert rows["C0"].state == "applied"
+    for feature in installer.SERIES:
+        if feature.module is None:
+            assert rows[feature.id].state == "pending"
+            assert f"issue #{feature.issue}" in rows[feature.id].reason
+            assert feature.id not in installer._applied
+
+
+def test_unknown_feature_id_is_an_error():
+    with pytest.raises(KeyError, match="unknown patch 'F99'"):
+        apply(["F99"])
+
+
+def test_untested_megatron_core_version_is_skipped(reverted, monkeypatch):
+    from packaging.version import Version
+
+    monkeypatch.setattr(capabilities, "mcore_version", lambda: Version("0.15.0"))
+    rows = {r.id: r for r in apply()}
+    assert rows["C0"].state == "skipped"
+    assert "outside the tested range" in rows["C0"].reason
+    assert tc_module.TransformerConfig is TransformerConfig
+
+
+@dataclass
+class NewerTransformerConfig(TransformerConfig):
+    """Stands in for a megatron-core that ships the fields natively."""
+
+    use_transformer_engine_op_fuser: bool = False
+    moe_mlp_glu_interleave_size: Optional[int] = None
+    moe_single_grouped_weight: bool = False
+    moe_single_grouped_bias: bool = False
+    moe_hybridep_num_blocks_permute: Optional[int] = None
+    moe_hybridep_num_blocks_unpermute: Optional[int] = None
+    moe_device_tokens_per_expert: bool = False
+
+
+def test_native_features_detected_and_not_installed(reverted, monkeypatch):
+    monkeypatch.setattr(tc_module, "TransformerConfig", NewerTransformerConfig)
+    rows = {r.id: r for r in apply()}
+    for feature_id in ("C0", "F2", "F4", "F5", "F6", "F8"):
+        assert rows[feature_id].state == "native", rows[feature_id]
+    for feature_id in ("F1", "F3", "F7"):  # not detectable through config fields
+        assert rows[feature_id].state == "pending"
+    assert tc_module.TransformerConfig is NewerTransformerConfig
+    assert not installer._applied
+
+
+def test_native_probe_sees_stock_class_while_applied(reverted):
+    apply(["C0"])
+    # The patched class has the fields; megatron-core as shipped does not.
+    assert {r.id: r.state for r in status()}["C0"] == "applied"
+    assert not installer.get("C0").native()
+    assert not installer.get("F4").native()
+
+
+def test_cli_status_lists_every_entry():
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "megatron.moe_patches", "status", "--apply", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["id"] for r in rows] == [f.id for f in installer.SERIES]
+    assert rows[0]["state"] == "applied"
+    assert all(r["upstream"] for r in rows)
