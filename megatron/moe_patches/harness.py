@@ -57,6 +57,7 @@ def moe_config_kwargs(shape: MoEShape, precision: str = "bf16", **overrides) -> 
         num_moe_experts=shape.experts,
         moe_router_topk=shape.topk,
         moe_router_load_balancing_type="none",
+        moe_router_pre_softmax=shape.topk == 1,  # megatron-core requires it for top-1
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=True,
         moe_permute_fusion=True,

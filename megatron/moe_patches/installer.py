@@ -92,7 +92,7 @@ def _why_not(feature: Feature) -> Optional[FeatureStatus]:
             f"megatron-core {version} is outside the tested range [{low}, {high})",
             te_ok,
         )
-    missing = [dep for dep in feature.requires if dep not in _applied]
+    missing = [dep for dep in feature.requires if dep not in _applied and not get(dep).native()]
     if missing:
         return FeatureStatus(
             feature.id, feature.title, "skipped", f"needs {', '.join(missing)} applied", te_ok
@@ -100,30 +100,36 @@ def _why_not(feature: Feature) -> Optional[FeatureStatus]:
     return None
 
 
+def _apply_one(feature: Feature) -> None:
+    for dep in feature.requires:
+        if dep not in _applied:
+            _apply_one(get(dep))
+    blocked = _why_not(feature)
+    if blocked is not None:
+        logger.info("moe_patches: %s", blocked.line())
+        return
+    pairs = importlib.import_module(feature.module).replacements()
+    for old, new in pairs:
+        rebind_everywhere(old, new)
+        cap.note_installed(old, new)
+    _applied[feature.id] = pairs
+    logger.info("moe_patches: applied %s (%s)", feature.id, feature.title)
+
+
 def apply(features: Optional[Sequence[str]] = None) -> List[FeatureStatus]:
-    """Install the selected features (default: the whole series) and their prerequisites.
+    """Install the selected features (default: the whole series), prerequisites first.
 
     Features megatron-core already has natively, pending ones and those that cannot run
     here are skipped with a logged reason. Safe to call any number of times.
     """
     for feature in _selected(features):
-        if feature.id in _applied:
-            continue
-        blocked = _why_not(feature)
-        if blocked is not None:
-            logger.info("moe_patches: %s", blocked.line())
-            continue
-        pairs = importlib.import_module(feature.module).replacements()
-        for old, new in pairs:
-            rebind_everywhere(old, new)
-            cap.note_installed(old, new)
-        _applied[feature.id] = pairs
-        logger.info("moe_patches: applied %s (%s)", feature.id, feature.title)
+        if feature.id not in _applied:
+            _apply_one(feature)
     return status()
 
 
 def revert(features: Optional[Sequence[str]] = None) -> None:
-    """Undo apply() for the selected features (default: all), newest first.
+    """Undo apply() for the selected features (default: all), last applied first.
 
     Reverting a feature also reverts every applied feature that requires it.
     """
@@ -131,13 +137,17 @@ def revert(features: Optional[Sequence[str]] = None) -> None:
         targets = set(_applied)
     else:
         targets = {get(feature_id).id for feature_id in features}
-        targets |= {f.id for f in SERIES if set(f.requires) & targets}
-    for feature in reversed(SERIES):
-        if feature.id in targets and feature.id in _applied:
-            for old, new in reversed(_applied.pop(feature.id)):
+        grew = True
+        while grew:  # dependents of dependents go too
+            dependents = {f.id for f in SERIES if set(f.requires) & targets} - targets
+            targets |= dependents
+            grew = bool(dependents)
+    for feature_id in reversed(list(_applied)):
+        if feature_id in targets:
+            for old, new in reversed(_applied.pop(feature_id)):
                 rebind_everywhere(new, old)
                 cap.note_reverted(new)
-            logger.info("moe_patches: reverted %s", feature.id)
+            logger.info("moe_patches: reverted %s", feature_id)
 
 
 def is_applied(feature_id: str) -> bool:

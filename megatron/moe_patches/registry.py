@@ -80,9 +80,10 @@ SERIES: Tuple[Feature, ...] = (
             cap.mcore_attr("transformer.moe.moe_utils", "unpermute"), "pad_offsets"
         ),
         page="patches/F1-fused-permute-pad.md",
-        test="tests/gpu/test_fused_permute_pad.py",
-        module=None,
+        test="tests/gpu/test_fused_permute_pad.py, tests/unit/test_fused_permute_pad.py",
+        module="megatron.moe_patches.fused_permute_pad",
         issue=3,
+        requires=("C0", "F3"),
     ),
     Feature(
         id="F2",
@@ -96,7 +97,7 @@ SERIES: Tuple[Feature, ...] = (
         native=lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute"),
         page="patches/F2-hybridep-blocks.md",
         test="tests/unit/test_hybridep_blocks.py",
-        module=None,
+        module="megatron.moe_patches.hybridep_blocks",
         issue=3,
     ),
     Feature(
@@ -111,8 +112,8 @@ SERIES: Tuple[Feature, ...] = (
         native=lambda: cap.mcore_attr("transformer.moe.moe_utils", "skip_routed_expert_padding")
         is not None,
         page="patches/F3-skip-routed-padding.md",
-        test="tests/unit/test_padding_decision.py",
-        module=None,
+        test="tests/unit/test_padding_decision.py, tests/gpu/test_fused_permute_pad.py",
+        module="megatron.moe_patches.routed_expert_padding",
         issue=3,
     ),
     Feature(

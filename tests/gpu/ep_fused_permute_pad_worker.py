@@ -1,0 +1,56 @@
+"""torchrun worker for test_ep2_alltoall_fused_matches_stock: EP=2 alltoall MoE layer, stock
+explicit padding vs F1's fused permute+pad, identical weights and inputs; rank 0 writes
+every rank's comparison to argv[1]."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main(out_path):
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    import megatron.core.transformer.transformer_config as tc_module
+    from megatron.moe_patches import apply, revert
+    from megatron.moe_patches.harness import MoEShape, moe_config_kwargs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_fused_permute_pad import compare, run_layer
+
+    results = []
+    for precision, experts, topk, tokens in (("tensorwise", 16, 2, 1000), ("tensorwise", 64, 8, 777), ("delayed", 16, 1, 300)):
+        shape = MoEShape(hidden=256, moe_ffn=192, experts=experts, topk=topk)
+        kwargs = moe_config_kwargs(shape, "bf16", fp8="e4m3", fp8_recipe=precision)
+        revert()
+        _, stock = run_layer(tc_module.TransformerConfig(**kwargs), tokens, seed=10 + rank)
+        apply()
+        layer, patched = run_layer(tc_module.TransformerConfig(**kwargs), tokens, seed=10 + rank)
+        revert()
+        results.append(
+            dict(
+                rank=rank,
+                case=[precision, experts, topk, tokens],
+                fused=layer.token_dispatcher.pad_align is not None and layer.experts.skips_quantization_padding,
+                **compare(stock, patched),
+            )
+        )
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
