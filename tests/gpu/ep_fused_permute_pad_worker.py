@@ -41,7 +41,8 @@ def main(out_path):
                 rank=rank,
                 case=[precision, experts, topk, tokens],
                 fused=layer.token_dispatcher.pad_align is not None and layer.experts.skips_quantization_padding,
-                **compare(stock, patched),
+                activations=compare(stock, patched, [n for n in stock if "experts." not in n]),
+                expert_wgrads=compare(stock, patched, [n for n in stock if "experts." in n]),
             )
         )
     gathered = [None] * dist.get_world_size()

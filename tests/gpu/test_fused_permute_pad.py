@@ -66,18 +66,26 @@ def test_te_permute_pad_matches_reference(tokens, experts, topk, empty, align):
     torch.testing.assert_close(restored, expected, rtol=1.6e-2, atol=1e-2)  # bf16 sum order
 
 
-def compare(stock, patched):
-    """Summary of stock vs patched tensors: count, bitwise flag, max abs/rel error, and the
-    names of the tensors that differ."""
+# With EP > 1 the zero rows sit between source-rank chunks inside an expert's group
+# instead of at its end, so the weight-grad GEMMs split their token (K) reduction
+# differently: same math, other fp32 summation order, then a bf16 rounding. Allowed:
+# 2**-7 of the tensor's largest magnitude, one bf16 ulp in the top binade.
+WGRAD_REORDER_TOLERANCE = 2.0**-7
+
+
+def compare(stock, patched, names=None):
+    """Summary of stock vs patched tensors (all, or ``names``): count, bitwise flag, max abs
+    error, max error relative to the tensor's largest magnitude, and which tensors differ."""
+    names = list(names if names is not None else stock)
     differ, max_abs, max_rel = [], 0.0, 0.0
-    for name in stock:
+    for name in names:
         a, b = stock[name].float(), patched[name].float()
         diff = (a - b).abs().max().item()
         max_abs = max(max_abs, diff)
         max_rel = max(max_rel, diff / max(a.abs().max().item(), 1e-30))
         if not torch.equal(stock[name], patched[name]):
             differ.append(name)
-    return dict(tensors=len(stock), bitwise=not differ, max_abs=max_abs, max_rel=max_rel, differ=differ[:8])
+    return dict(tensors=len(names), bitwise=not differ, max_abs=max_abs, max_rel=max_rel, differ=differ[:8])
 
 
 def run_layer(config, tokens, routing_fn=None, seed=3):
@@ -96,7 +104,7 @@ def run_layer(config, tokens, routing_fn=None, seed=3):
 def aligned_routing(num_experts, topk):
     """A router stand-in: token t goes to experts t, t+1, ... (mod E) with fixed probs."""
 
-    def route(hidden_states):
+    def route(hidden_states, *args, **kwargs):
         tokens = hidden_states.numel() // hidden_states.shape[-1]
         rows = torch.arange(tokens, device="cuda").unsqueeze(1)
         cols = (rows + torch.arange(topk, device="cuda")) % num_experts
@@ -156,4 +164,5 @@ def test_ep2_alltoall_fused_matches_stock(tmp_path):
     print(json.dumps(results))
     for rank_result in results:
         assert rank_result["fused"], rank_result
-        assert rank_result["bitwise"], json.dumps(rank_result)
+        assert rank_result["activations"]["bitwise"], json.dumps(rank_result)
+        assert rank_result["expert_wgrads"]["max_rel"] <= WGRAD_REORDER_TOLERANCE, json.dumps(rank_result)

@@ -182,3 +182,30 @@ def test_cli_status_lists_every_entry():
     assert [r["id"] for r in rows] == [f.id for f in installer.SERIES]
     assert rows[0]["state"] == "applied"
     assert all(r["upstream"] for r in rows)
+
+
+def test_whole_series_apply_revert_restores_identity(reverted):
+    from megatron.core.transformer.moe import experts, moe_layer, token_dispatcher
+
+    before = megatron_bindings()
+    stock_classes = (experts.TEGroupedMLP, moe_layer.MoEAlltoAllTokenDispatcher, token_dispatcher._HybridEPManager)
+    rows = {r.id: r.state for r in apply()}
+    assert {rows[f] for f in ("C0", "F1", "F2", "F3")} == {"applied"}
+    # The classes megatron-core builds by name are now the patched subclasses.
+    assert experts.TEGroupedMLP is not stock_classes[0] and issubclass(experts.TEGroupedMLP, stock_classes[0])
+    assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.fused_permute_pad"
+    assert token_dispatcher._HybridEPManager.__module__ == "megatron.moe_patches.hybridep_blocks"
+    revert()
+    assert megatron_bindings() == before
+    assert (experts.TEGroupedMLP, moe_layer.MoEAlltoAllTokenDispatcher, token_dispatcher._HybridEPManager) == stock_classes
+
+
+def test_revert_one_feature_keeps_the_others(reverted):
+    from megatron.core.transformer.moe import experts
+
+    stock_experts = experts.TEGroupedMLP
+    apply()
+    revert(["F3"])  # F1 requires F3: both go, C0 and F2 stay
+    assert not is_applied("F3") and not is_applied("F1")
+    assert is_applied("C0") and is_applied("F2")
+    assert experts.TEGroupedMLP is stock_experts
