@@ -36,6 +36,8 @@ from megatron.moe_patches.harness import (  # noqa: E402
 VARIANTS = {
     "stock": None,
     "patched": {},
+    # F8 + the sync-free grouped_mm expert backend (bf16); FP8 keeps the TE backend.
+    "device-splits": {"moe_device_tokens_per_expert": True},
 }
 
 

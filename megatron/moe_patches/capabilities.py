@@ -133,9 +133,13 @@ def note_reverted(patched) -> None:
 
 
 def stock(obj):
-    """The stock object behind ``obj`` if ``obj`` is one of our installed replacements."""
+    """The stock object behind ``obj`` if ``obj`` is one of our installed replacements
+    (through every layer: a patch may replace another patch's class)."""
     entry = _installed.get(id(obj))
-    return entry[1] if entry is not None and entry[0] is obj else obj
+    while entry is not None and entry[0] is obj:
+        obj = entry[1]
+        entry = _installed.get(id(obj))
+    return obj
 
 
 def _config_fields(config_class=None) -> set:

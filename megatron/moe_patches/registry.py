@@ -197,9 +197,10 @@ SERIES: Tuple[Feature, ...] = (
         te_probe=cap.te_grouped_linear_device_splits,
         native=lambda: cap.mcore_has_fields("moe_device_tokens_per_expert"),
         page="patches/F8-device-tokens-per-expert.md",
-        test="tests/gpu/test_device_splits.py",
-        module=None,
+        test="tests/gpu/test_device_splits.py, tests/unit/test_expert_backends.py",
+        module="megatron.moe_patches.device_splits",
         issue=6,
+        requires=("C0", "F1", "F3"),
     ),
 )
 

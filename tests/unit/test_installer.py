@@ -190,10 +190,12 @@ def test_whole_series_apply_revert_restores_identity(reverted):
     before = megatron_bindings()
     stock_classes = (experts.TEGroupedMLP, moe_layer.MoEAlltoAllTokenDispatcher, token_dispatcher._HybridEPManager)
     rows = {r.id: r.state for r in apply()}
-    assert {rows[f] for f in ("C0", "F1", "F2", "F3")} == {"applied"}
+    assert {rows[f] for f in ("C0", "F1", "F2", "F3", "F8")} == {"applied"}
     # The classes megatron-core builds by name are now the patched subclasses.
     assert experts.TEGroupedMLP is not stock_classes[0] and issubclass(experts.TEGroupedMLP, stock_classes[0])
-    assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.fused_permute_pad"
+    # F8's dispatcher extends F1's: replacements stack, and revert unwinds both.
+    assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.device_splits"
+    assert issubclass(moe_layer.MoEAlltoAllTokenDispatcher, stock_classes[1])
     assert token_dispatcher._HybridEPManager.__module__ == "megatron.moe_patches.hybridep_blocks"
     revert()
     assert megatron_bindings() == before
@@ -205,7 +207,7 @@ def test_revert_one_feature_keeps_the_others(reverted):
 
     stock_experts = experts.TEGroupedMLP
     apply()
-    revert(["F3"])  # F1 requires F3: both go, C0 and F2 stay
-    assert not is_applied("F3") and not is_applied("F1")
+    revert(["F3"])  # F1 and F8 require F3: all three go, C0 and F2 stay
+    assert not is_applied("F3") and not is_applied("F1") and not is_applied("F8")
     assert is_applied("C0") and is_applied("F2")
     assert experts.TEGroupedMLP is stock_experts
