@@ -47,6 +47,25 @@ class DeviceSplitsAlltoAllTokenDispatcher(PaddedPermuteAlltoAllTokenDispatcher):
         return tokens_per_expert
 
 
+    def _identity_chunk_sort(self) -> bool:
+        # One source rank, no TP: sorting chunks by local expert keeps them in place, yet
+        # the stock path still copies all permuted tokens through the sort (both ways).
+        return self.device_splits and self.ep_size == 1 and self.tp_size == 1
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if not self._identity_chunk_sort():
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states):
+        if not self._identity_chunk_sort():
+            return super().combine_preprocess(hidden_states)
+        return hidden_states
+
+
 class BackendTEGroupedMLP(PaddingAwareTEGroupedMLP):
     """TE grouped experts whose compute backend is chosen once, at construction."""
 

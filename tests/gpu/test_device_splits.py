@@ -95,7 +95,12 @@ def test_zero_host_syncs_at_ep1(single_gpu):
                 torch.cuda.set_sync_debug_mode(0)
     finally:
         revert()
-    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    syncs = [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in caught
+        # torch also emits a notice that the debug mode "is a prototype": not a sync
+        if "synchronizing" in str(w.message) and "prototype" not in str(w.message)
+    ]
     print(json.dumps({"host_syncs": len(syncs), "where": syncs[:10]}))
     assert layer.experts.backend == eb.GROUPED_MM
     assert eb._host_copies == copies_before
