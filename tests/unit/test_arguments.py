@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron.moe_patches.arguments import (
     CHECKPOINT_RESTORED_ARGS,
@@ -105,7 +106,7 @@ def test_restore_from_old_checkpoint_without_the_args():
     assert args.moe_single_grouped_weight is True
 
 
-def test_pretrain_gpt_help_lists_every_flag_and_stub_says_so():
+def test_pretrain_gpt_help_lists_every_flag_and_needs_a_gpu():
     out = subprocess.run(
         [sys.executable, "-W", "ignore", str(ROOT / "pretrain_gpt.py"), "--help"],
         capture_output=True, text=True, check=True, cwd=ROOT,
@@ -116,4 +117,5 @@ def test_pretrain_gpt_help_lists_every_flag_and_stub_says_so():
         [sys.executable, "-W", "ignore", str(ROOT / "pretrain_gpt.py")],
         capture_output=True, text=True, cwd=ROOT,
     )
-    assert run.returncode != 0 and "not implemented yet" in run.stderr
+    if not torch.cuda.is_available():
+        assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr

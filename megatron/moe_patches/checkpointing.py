@@ -1,0 +1,107 @@
+"""torch_dist checkpoints for pretrain_gpt.py, in Megatron-LM's directory layout.
+
+``<save>/iter_0000100/`` holds the sharded model and optimizer plus the common
+state (iteration, scheduler, the run's args as a plain dict);
+``<save>/latest_checkpointed_iteration.txt`` names the newest. ``--use-checkpoint-args``
+takes the model-defining args and the MoE patch flags from the checkpoint, with
+Megatron's ``_set_arg`` rule: a saved value is taken where the current one is unset,
+and always for on/off flags (a store_true default is never "unset").
+"""
+
+import argparse
+import os
+from typing import List, Optional
+
+from megatron.moe_patches.arguments import restore_args_from_checkpoint
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+# Args that define the model's shape: a checkpoint is only loadable with its own.
+MODEL_ARGS = [
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "seq_length", "max_position_embeddings", "vocab_size", "normalization",
+    "swiglu", "disable_bias_linear", "position_embedding_type", "rotary_base",
+    "untie_embeddings_and_output_weights", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
+    "moe_router_topk", "moe_shared_expert_intermediate_size",
+]
+# The sharding optimizers' states use: it survives changes of DP size.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker, encoding="utf-8") as handle:
+        return int(handle.read().strip())
+
+
+def restore_args(args: argparse.Namespace, saved: dict) -> List[str]:
+    """Apply a checkpoint's saved args (a dict) to ``args``; return the names that changed.
+
+    Model-defining args always come from the checkpoint (the weights fix them); the MoE
+    patch flags follow ``arguments.restore_args_from_checkpoint`` (bools forced).
+    """
+    before = vars(args).copy()
+    for name in MODEL_ARGS:
+        if saved.get(name) is not None:
+            setattr(args, name, saved[name])
+    restore_args_from_checkpoint(args, argparse.Namespace(**saved))
+    return [name for name, value in vars(args).items() if before.get(name) != value]
+
+
+def saved_args(root: str) -> dict:
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--load {root}: no {TRACKER} there")
+    return dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration))["args"]
+
+
+def _state(model, optimizer, scheduler, iteration, args, loading):
+    state = {"model": model.sharded_state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state["model"], is_loading=loading, metadata=OPTIMIZER_METADATA
+    )
+    if not loading:
+        state.update(iteration=iteration, opt_param_scheduler=scheduler.state_dict(), args=vars(args).copy())
+    return state
+
+
+def save(root: str, iteration: int, model, optimizer, scheduler, args) -> str:
+    """Save a torch_dist checkpoint of ``model`` (the unwrapped GPTModel) and the optimizer."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, args, loading=False), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as handle:
+            handle.write(str(iteration))
+    dist.barrier()
+    return path
+
+
+def load(root: str, model, optimizer, scheduler) -> int:
+    """Load the newest checkpoint under ``root``; returns its iteration."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--load {root}: no {TRACKER} there")
+    path = iteration_dir(root, iteration)
+    loaded = dist_checkpointing.load(_state(model, optimizer, scheduler, iteration, None, loading=True), path)
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    common = dist_checkpointing.load_common_state_dict(path)
+    scheduler.load_state_dict(common["opt_param_scheduler"])
+    return int(common["iteration"])

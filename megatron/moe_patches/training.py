@@ -1,0 +1,308 @@
+"""The pretraining loop behind pretrain_gpt.py, on megatron-core's public APIs.
+
+GPTModel from the TE layer spec (MoE layers when --num-experts is set) with the patch
+set applied, Megatron DDP, megatron-core's optimizer (distributed optimizer optional)
+and LR schedule, ``get_forward_backward_func`` (so TP/PP/EP/DP all come from
+megatron-core), mock or indexed GPT data, Megatron-style log lines and torch_dist
+checkpoints. Launch with ``torchrun``; a plain ``python`` run is one rank.
+"""
+
+import argparse
+import datetime
+import logging
+import os
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron.moe_patches import checkpointing
+from megatron.moe_patches.pretrain import check_args, transformer_config_kwargs
+
+logger = logging.getLogger(__name__)
+
+
+def _print_rank0(*parts) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+def initialize(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("pretrain_gpt.py needs a CUDA GPU (Transformer Engine and NCCL); none is visible here.")
+    if args.deterministic_mode:  # before CUDA and TE pick their kernels
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def padded_vocab_size(args) -> int:
+    multiple = 128 * args.tensor_model_parallel_size
+    return -(-args.vocab_size // multiple) * multiple
+
+
+def build_model(args, config):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    spec_fn = (
+        get_gpt_layer_with_transformer_engine_spec
+        if args.transformer_impl == "transformer_engine"
+        else get_gpt_layer_local_spec
+    )
+    spec = spec_fn(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(args),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    ).cuda()
+    module = Float16Module(config, gpt) if args.bf16 else gpt
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return gpt, DistributedDataParallel(config, ddp_config, module)
+
+
+def build_optimizer(args, ddp_model):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        [ddp_model],
+    )
+    samples = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def _blend(data_path):
+    """Megatron's --data-path: 'prefix ...' or 'weight prefix weight prefix ...'."""
+    try:
+        weights = [float(w) for w in data_path[0::2]]
+        return data_path[1::2], weights
+    except ValueError:
+        return data_path, None
+
+
+def build_train_dataset(args):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    mock = not args.data_path
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if mock else _blend(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=NullTokenizer(args.vocab_size - 1),  # ids < vocab_size; the last is EOD
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        MockGPTDataset if mock else GPTDataset,
+        [args.train_iters * args.global_batch_size, None, None],
+        lambda: True,
+        config,
+    )
+    return builder.build()[0]
+
+
+def micro_batches(dataset, first_sample, args, dp_rank):
+    """Micro-batches in a fixed order: global batch g holds samples [g*GBS, (g+1)*GBS);
+    within it, DP rank r reads its own micro-batch slots. Resuming at a sample index
+    continues the same sequence."""
+    step = args.micro_batch_size * args.data_parallel_size
+    index = first_sample
+    while True:
+        start = index + dp_rank * args.micro_batch_size
+        items = [dataset[i] for i in range(start, start + args.micro_batch_size)]
+        yield {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in items[0]}
+        index += step
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    tokens = batch["tokens"].cuda(non_blocking=True)
+    labels = batch["labels"].cuda(non_blocking=True)
+    position_ids = batch["position_ids"].cuda(non_blocking=True)
+    loss_mask = batch["loss_mask"].cuda(non_blocking=True).float()
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss, loss_mask)
+
+
+def _loss(loss_mask, per_token_loss):
+    from megatron.core import parallel_state
+
+    loss = torch.sum(per_token_loss.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+    return loss, {"lm loss": reported / parallel_state.get_data_parallel_world_size()}
+
+
+def model_flops_per_token(args) -> float:
+    """Forward+backward FLOPs per token (GEMMs and attention; 3x the forward)."""
+    h, s = args.hidden_size, args.seq_length
+    kv = (args.num_query_groups or args.num_attention_heads) / args.num_attention_heads
+    attention = 2 * h * h * (2 + 2 * kv) + 2 * 2 * s * h  # QKV + proj, scores + values
+    glu = 3 if args.swiglu else 2
+    if args.num_experts:
+        moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        mlp = 2 * h * moe_ffn * glu * args.moe_router_topk + 2 * h * args.num_experts
+        if args.moe_shared_expert_intermediate_size:
+            mlp += 2 * h * args.moe_shared_expert_intermediate_size * glu
+    else:
+        mlp = 2 * h * args.ffn_hidden_size * glu
+    return 3.0 * (args.num_layers * (attention + mlp) + 2 * h * padded_vocab_size(args))
+
+
+def _log_line(args, iteration, elapsed, lr, loss, grad_norm, started):
+    tokens = args.global_batch_size * args.seq_length
+    world = dist.get_world_size()
+    done = iteration / args.train_iters
+    eta = (time.time() - started) / max(done, 1e-9) * (1 - done)
+    return (
+        f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d}"
+        f" | consumed samples: {iteration * args.global_batch_size:12d}"
+        f" | elapsed time per iteration (ms): {elapsed * 1000:.1f}"
+        f" | throughput per GPU (TFLOP/s/GPU): {model_flops_per_token(args) * tokens / elapsed / world / 1e12:.1f}"
+        f" | tokens/s: {tokens / elapsed:.0f}"
+        f" | learning rate: {lr:.6E}"
+        f" | global batch size: {args.global_batch_size:5d}"
+        f" | lm loss: {loss:.6E}"
+        f" | grad norm: {grad_norm:.3f}"
+        f" | mem (MiB): {torch.cuda.memory_allocated() / 2**20:.0f}/{torch.cuda.max_memory_allocated() / 2**20:.0f}"
+        f" | progress: {100 * done:5.1f}% eta {datetime.timedelta(seconds=int(eta))}"
+    )
+
+
+def pretrain(args: argparse.Namespace) -> None:
+    initialize(args)
+    if args.use_checkpoint_args:
+        taken = checkpointing.restore_args(args, checkpointing.saved_args(args.load))
+        _print_rank0(f"--use-checkpoint-args: took {sorted(taken)} from {args.load}")
+    check_args(args, world_size=dist.get_world_size())
+
+    import megatron.core.transformer.transformer_config as tc_module
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.moe_patches import apply
+
+    for row in apply():
+        _print_rank0(f"moe_patches: {row.line()}")
+    config = tc_module.TransformerConfig(**transformer_config_kwargs(args))
+    gpt, model = build_model(args, config)
+    optimizer, scheduler = build_optimizer(args, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:
+        config.no_sync_func = model.no_sync
+        config.grad_sync_func = model.start_grad_sync
+    params = sum(p.numel() for p in gpt.parameters())
+    _print_rank0(f"model: {params / 1e6:.1f} M parameters on this rank | world size {dist.get_world_size()}")
+
+    iteration = 0
+    if args.load and checkpointing.latest_iteration(args.load) is not None:
+        iteration = checkpointing.load(args.load, gpt, optimizer, scheduler)
+        _print_rank0(f"loaded checkpoint {args.load} at iteration {iteration}")
+
+    dataset = build_train_dataset(args)
+    data = micro_batches(
+        dataset, iteration * args.global_batch_size, args, parallel_state.get_data_parallel_rank()
+    )
+    num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    forward_backward = get_forward_backward_func()
+    started, last_saved = time.time(), None
+    while iteration < args.train_iters:
+        torch.cuda.synchronize()
+        tick = time.time()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[model],
+            num_microbatches=num_micro_batches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        _, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        torch.cuda.synchronize()
+        elapsed = time.time() - tick
+        if iteration % args.log_interval == 0 and parallel_state.is_pipeline_last_stage():
+            loss = torch.stack([m["lm loss"] for m in losses]).mean().item()
+            if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+                lr = optimizer.param_groups[0]["lr"]
+                print(_log_line(args, iteration, elapsed, lr, loss, grad_norm or 0.0, started), flush=True)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing.save(args.save, iteration, gpt, optimizer, scheduler, args)
+            last_saved = iteration
+    if args.save and last_saved != iteration:
+        checkpointing.save(args.save, iteration, gpt, optimizer, scheduler, args)
+    _print_rank0(f"training done: {iteration} iterations in {time.time() - started:.1f} s")
+    dist.barrier()
+    dist.destroy_process_group()
