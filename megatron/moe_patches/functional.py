@@ -7,7 +7,10 @@ A case is a folder with ``model_config.yaml``:
     MODEL_ARGS: {--flag: value}      # pretrain_gpt.py arguments; true = on/off flag set
     METRICS: ["lm loss", ...]        # metrics read from the log lines
 
-and ``golden_values_<env>.json``: ``{metric: {start_step, end_step, step_interval,
+An optional ``TRACKS: <case>`` (our addition) names a baseline case whose golden curve
+this case's golden curve must stay within the relative tolerance of, on common steps.
+
+``golden_values_<env>.json``: ``{metric: {start_step, end_step, step_interval,
 values: {"step": value}}}``. Comparison: relative tolerance 0.05, or exact when the run
 is deterministic (``--deterministic-mode`` in MODEL_ARGS). ``ckpt-resume`` trains 2N
 steps saving at N, resumes a second run from step N, and requires the resumed steps
@@ -95,6 +98,23 @@ def compare(golden: dict, actual: Dict[str, Dict[int, float]], exact: bool) -> L
                     f"{metric} step {step}: {have:.6g} vs golden {want:.6g} "
                     f"(rel diff {abs(have - want) / abs(want):.3f} > {RELATIVE_TOLERANCE})"
                 )
+    return problems
+
+
+def tracking_problems(case_dir, golden_name: str = "golden_values_dev.json") -> List[str]:
+    """Where a case's golden curve leaves its TRACKS baseline's by more than the tolerance."""
+    case_dir = Path(case_dir)
+    baseline = load_case(case_dir).get("TRACKS")
+    if baseline is None:
+        return []
+    ours = json.loads((case_dir / golden_name).read_text())
+    theirs = json.loads((case_dir.parent / baseline / golden_name).read_text())
+    problems = []
+    for metric, spec in ours.items():
+        common = {s: v for s, v in theirs[metric]["values"].items() if s in spec["values"]}
+        reference = {metric: {**theirs[metric], "values": common}}
+        actual = {metric: {int(s): v for s, v in spec["values"].items()}}
+        problems += [f"vs {baseline}: {p}" for p in compare(reference, actual, exact=False)]
     return problems
 
 

@@ -54,3 +54,30 @@ def test_bad_case_is_rejected(tmp_path):
     (tmp_path / "model_config.yaml").write_text("TEST_TYPE: sometimes\nMODEL_ARGS: {}\nMETRICS: []\n")
     with pytest.raises(ValueError, match="TEST_TYPE must be regular or ckpt-resume"):
         load_case(tmp_path)
+
+
+def test_feature_cases_track_the_baseline_curve():
+    """Committed goldens: each feature case stays within rel 0.05 of the bf16 baseline."""
+    from megatron.moe_patches.functional import tracking_problems
+
+    tracked = [p.parent for p in (ROOT / "tests/functional").glob("*/model_config.yaml")
+               if load_case(p.parent).get("TRACKS")]
+    assert len(tracked) >= 3
+    for case_dir in tracked:
+        assert tracking_problems(case_dir) == [], case_dir.name
+
+
+def test_tracking_detects_a_diverging_curve(tmp_path):
+    import json
+
+    from megatron.moe_patches.functional import tracking_problems
+
+    for name, values in (("base", {"1": 8.0, "2": 7.0}), ("feature", {"1": 8.1, "2": 7.9})):
+        (tmp_path / name).mkdir()
+        extra = "TRACKS: base\n" if name == "feature" else ""
+        (tmp_path / name / "model_config.yaml").write_text(
+            f"TEST_TYPE: regular\nMODEL_ARGS: {{}}\nMETRICS: [lm loss]\n{extra}")
+        (tmp_path / name / "golden_values_dev.json").write_text(json.dumps(
+            {"lm loss": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": values}}))
+    problems = tracking_problems(tmp_path / "feature")
+    assert len(problems) == 1 and "step 2" in problems[0]
