@@ -78,7 +78,12 @@ def patch_option(config, name: str):
 
 def grouped_param_backends(config) -> tuple:
     """Expert backends switched on in ``config`` that can hold single grouped parameters."""
-    return ("te_op_fuser",) if config.use_transformer_engine_op_fuser else ()
+    from megatron.moe_patches.expert_backends import GROUPED_MM, select_expert_backend
+
+    backends = ("te_op_fuser",) if config.use_transformer_engine_op_fuser else ()
+    if select_expert_backend(config)[0] == GROUPED_MM:
+        backends += (GROUPED_MM,)
+    return backends
 
 
 def validate_moe_patch_config(config) -> None:
@@ -107,7 +112,8 @@ def validate_moe_patch_config(config) -> None:
         elif not grouped_param_backends(config):
             errors.append(
                 f"{name}=True needs an expert backend that holds grouped parameters: "
-                "set use_transformer_engine_op_fuser=True (--use-transformer-engine-op-fuser)."
+                "--moe-device-tokens-per-expert (the grouped_mm backend: bf16, SwiGLU/quick-GEGLU, "
+                "no bias, ETP 1) or --use-transformer-engine-op-fuser."
             )
     if config.moe_single_grouped_bias and not config.add_bias_linear:
         errors.append(

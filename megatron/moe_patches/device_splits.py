@@ -6,6 +6,8 @@ Patches (with ``moe_device_tokens_per_expert`` or ``NVTE_USE_GROUPED_GEMM_TRITON
   host and drops the host sync that existed only for that copy: with EP = 1 the
   dispatcher never waits for the GPU; with EP > 1 it keeps the one sync the
   all-to-all's split sizes need (``before_ep_alltoall``);
+- with ``moe_single_grouped_weight`` the grouped_mm backend holds each FC's experts as
+  one [E, out, in] parameter (checkpoints keep the stock per-expert keys: F6's hooks);
 - the TE grouped experts (F3's subclass) pick a backend at construction
   (``expert_backends.select_expert_backend``): the sync-free ``grouped_mm`` backend,
   or the TE backend with exactly one host copy (``host_tokens_per_expert``).
@@ -22,6 +24,8 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import expert_backends as backends
 from megatron.moe_patches.config import patch_option
 from megatron.moe_patches.fused_permute_pad import PaddedPermuteAlltoAllTokenDispatcher
+from megatron.moe_patches.grouped_checkpoint_keys import is_grouped, make_grouped
+from megatron.moe_patches.installer import is_applied
 from megatron.moe_patches.routed_expert_padding import PaddingAwareTEGroupedMLP
 
 logger = logging.getLogger(__name__)
@@ -73,7 +77,17 @@ class BackendTEGroupedMLP(PaddingAwareTEGroupedMLP):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
         self.backend, _ = backends.select_expert_backend(config)
         self._fc1_block = self._fc2_block = None
-        if self.backend == backends.GROUPED_MM:
+        single_grouped = patch_option(config, "moe_single_grouped_weight")
+        if single_grouped and self.backend != backends.GROUPED_MM and not is_applied("F4"):
+            raise ValueError(
+                "moe_single_grouped_weight needs an expert backend that holds grouped parameters: "
+                "the grouped_mm backend (--moe-device-tokens-per-expert, bf16, SwiGLU/quick-GEGLU, no "
+                "bias, ETP 1, Hopper); the op-fuser grouped MLP (F4) is not in this version yet."
+            )
+        if self.backend == backends.GROUPED_MM and single_grouped:
+            make_grouped(self.linear_fc1, self.num_local_experts)
+            make_grouped(self.linear_fc2, self.num_local_experts)
+        elif self.backend == backends.GROUPED_MM:
             self._fc1_block = backends.gather_into_one_block(self._weights(self.linear_fc1))
             self._fc2_block = backends.gather_into_one_block(self._weights(self.linear_fc2))
         elif patch_option(config, "moe_device_tokens_per_expert") and not cap.te_grouped_linear_device_splits():
@@ -86,6 +100,11 @@ class BackendTEGroupedMLP(PaddingAwareTEGroupedMLP):
     def _weights(self, linear):
         return [getattr(linear, f"weight{i}") for i in range(self.num_local_experts)]
 
+    def _grouped(self, linear, block):
+        if is_grouped(linear):  # moe_single_grouped_weight: the parameter is the group
+            return linear.weight
+        return backends.grouped_weight(block, self._weights(linear))
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if self.backend == backends.TE:
             return super().forward(
@@ -95,8 +114,8 @@ class BackendTEGroupedMLP(PaddingAwareTEGroupedMLP):
             permuted_local_hidden_states,
             tokens_per_expert,
             permuted_probs,
-            backends.grouped_weight(self._fc1_block, self._weights(self.linear_fc1)),
-            backends.grouped_weight(self._fc2_block, self._weights(self.linear_fc2)),
+            self._grouped(self.linear_fc1, self._fc1_block),
+            self._grouped(self.linear_fc2, self._fc2_block),
             self.config,
         )
         return output, None

@@ -131,3 +131,40 @@ def test_state_dicts_load_both_ways(single_gpu):
     for name, value in back.state_dict().items():
         if isinstance(value, torch.Tensor) and name in stock_state:
             assert torch.equal(value, layer.state_dict()[name]), name
+
+
+def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_gpu):
+    from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
+
+    kwargs = kwargs_for(16, 2, "swiglu")
+    revert()
+    stock_layer, stock = run(tc_module.TransformerConfig(**kwargs), 800)
+    try:
+        apply()
+        config = tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True, moe_single_grouped_weight=True)
+        layer, patched = run(config, 800)
+        fc1 = layer.experts.linear_fc1
+        assert is_grouped(fc1) and tuple(fc1.weight.shape) == (16, 384, 256)
+        assert "weight0" not in dict(fc1.named_parameters())
+        # Its checkpoints carry the stock per-expert keys and values ...
+        assert set(layer.state_dict()) == set(stock_layer.state_dict())
+        for key, value in stock_layer.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(layer.state_dict()[key], value), key
+        # ... and a stock TE expert layer (F6 linears) loads a grouped-key checkpoint.
+        te_layer = build_moe_layer(tc_module.TransformerConfig(**kwargs), seed=9)
+        grouped_ckpt = dict(stock_layer.state_dict())
+        for fc in ("linear_fc1", "linear_fc2"):
+            names = [f"experts.{fc}.weight{i}" for i in range(16)]
+            grouped_ckpt[f"experts.{fc}.weight"] = torch.stack([grouped_ckpt.pop(n) for n in names])
+        te_layer.load_state_dict(grouped_ckpt)
+        assert torch.equal(te_layer.experts.linear_fc2.weight7, stock_layer.experts.linear_fc2.weight7)
+    finally:
+        revert()
+    exact = {"output": torch.equal(stock["output"], patched["output"]),
+             "input_grad": torch.equal(stock["input_grad"], patched["input_grad"])}
+    for fc in ("linear_fc1", "linear_fc2"):
+        grouped_grad = patched[f"grad:experts.{fc}.weight"]
+        exact[fc] = all(torch.equal(stock[f"grad:experts.{fc}.weight{i}"], grouped_grad[i]) for i in range(16))
+    print(json.dumps({"single_grouped_weight_bitwise": exact}))
+    assert all(exact.values()), exact

@@ -1,0 +1,135 @@
+"""F6: expert checkpoints load across the indexed and the grouped parameter layouts.
+
+Layouts of one expert FC with E local experts: *indexed* (stock TE GroupedLinear:
+``weight0 .. weight{E-1}``, ``bias0 ..``) and *grouped* (one ``weight`` [E, out, in],
+``bias`` [E, out]).
+
+- ``normalize_grouped_keys`` rewrites a state dict, in place, into the layout a module
+  has: stacks a complete indexed set into the grouped key or splits the grouped key into
+  the indexed set. It refuses, naming the keys and loading nothing, when a set is
+  incomplete, when both layouts are present, or when shapes disagree.
+- Patches: megatron-core's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``
+  are replaced by subclasses that run it as a ``load_state_dict`` pre-hook, so stock
+  (indexed) experts load grouped checkpoints.
+- ``make_grouped`` turns an indexed module's experts into grouped parameters (used by
+  the grouped_mm backend for ``moe_single_grouped_weight``) and makes its
+  ``state_dict`` present indexed views, so its checkpoints, plain and torch_dist, keep
+  the stock keys.
+
+Upstream: NVIDIA/Megatron-LM#3890, #4636. Not covered yet: the DistributedOptimizer's
+own param-reload map for grouped parameters (F7).
+"""
+
+from typing import Dict, List
+
+import torch
+
+PARAM_NAMES = ("weight", "bias")
+
+
+class GroupedKeyError(KeyError):
+    def __str__(self):  # KeyError would quote the message
+        return self.args[0]
+
+
+def is_grouped(module) -> bool:
+    return "weight" in module._parameters and "weight0" not in module._parameters
+
+
+def normalize_grouped_keys(state_dict: Dict, prefix: str, num_gemms: int, grouped: bool) -> List[str]:
+    """Rewrite ``state_dict`` (in place) into the indexed or grouped layout; return what changed.
+
+    Nothing is modified when any check fails: all conversions are planned first.
+    """
+    plan = []
+    for name in PARAM_NAMES:
+        grouped_key = prefix + name
+        indexed_keys = [f"{prefix}{name}{i}" for i in range(num_gemms)]
+        present = [key for key in indexed_keys if key in state_dict]
+        has_grouped = grouped_key in state_dict
+        if has_grouped and present:
+            raise GroupedKeyError(
+                f"ambiguous checkpoint: both {grouped_key} and {present[0]}.. are present; "
+                "keep one layout"
+            )
+        if grouped and present:
+            if len(present) != num_gemms:
+                missing = [key for key in indexed_keys if key not in state_dict]
+                raise GroupedKeyError(f"incomplete expert set for {grouped_key}: missing {missing}")
+            shapes = {tuple(state_dict[key].shape) for key in indexed_keys}
+            if len(shapes) != 1:
+                raise GroupedKeyError(f"expert tensors for {grouped_key} differ in shape: {sorted(shapes)}")
+            plan.append(("stack", grouped_key, indexed_keys))
+        elif not grouped and has_grouped:
+            tensor = state_dict[grouped_key]
+            if tensor.dim() < 1 or tensor.shape[0] != num_gemms:
+                raise GroupedKeyError(
+                    f"{grouped_key} has shape {tuple(tensor.shape)}; expected a leading dim of "
+                    f"{num_gemms} experts"
+                )
+            plan.append(("split", grouped_key, indexed_keys))
+    for action, grouped_key, indexed_keys in plan:
+        if action == "stack":
+            state_dict[grouped_key] = torch.stack([state_dict.pop(key) for key in indexed_keys])
+        else:
+            for key, part in zip(indexed_keys, state_dict.pop(grouped_key).unbind(0)):
+                state_dict[key] = part
+    return [grouped_key for _, grouped_key, _ in plan]
+
+
+def _load_pre_hook(module, state_dict, prefix, *args):
+    normalize_grouped_keys(state_dict, prefix, module.num_gemms, is_grouped(module))
+
+
+def _indexed_view_hook(module, state_dict, prefix, local_metadata):
+    # state_dict post-hook: a grouped module reports stock per-expert keys (views).
+    for name in PARAM_NAMES:
+        key = prefix + name
+        if key in state_dict:
+            for i, part in enumerate(state_dict.pop(key).detach().unbind(0)):
+                state_dict[f"{prefix}{name}{i}"] = part
+    return state_dict
+
+
+def make_grouped(module, num_gemms: int) -> None:
+    """Replace ``weight{i}``/``bias{i}`` of ``module`` by one grouped parameter each.
+
+    The grouped parameter copies the per-expert parameters' attributes (Megatron's
+    ``allreduce``, ``sequence_parallel``, ... flags). Checkpoints keep the indexed keys.
+    """
+    for name in PARAM_NAMES:
+        keys = [f"{name}{i}" for i in range(num_gemms)]
+        if not all(key in module._parameters for key in keys):
+            continue
+        parts = [module._parameters.pop(key) for key in keys]
+        grouped = torch.nn.Parameter(torch.stack([p.detach() for p in parts]), requires_grad=parts[0].requires_grad)
+        for attr, value in vars(parts[0]).items():
+            setattr(grouped, attr, value)
+        module.register_parameter(name, grouped)
+    module._register_state_dict_hook(_indexed_view_hook)
+    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+
+
+def _grouped_linear_classes():
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    names = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
+    return [getattr(te_ext, n) for n in names if getattr(te_ext, n, None) is not None]
+
+
+def _with_key_conversion(cls):
+    def __init__(self, *args, **kwargs):
+        cls.__init__(self, *args, **kwargs)
+        self._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__,
+                                       "__doc__": f"{cls.__name__} that loads grouped or indexed expert keys (F6)."})
+
+
+def replacements():
+    """Subclasses of the TE grouped linears (none without TE: there is nothing to patch)."""
+    try:
+        classes = _grouped_linear_classes()
+    except ImportError:
+        return []
+    return [(cls, _with_key_conversion(cls)) for cls in classes]
