@@ -147,6 +147,12 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
+            f"{args.lr_decay_iters} (which defaults to --train-iters): shorten the warmup or "
+            "set --lr-decay-iters"
+        )
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world_size % model_parallel:
         raise ValueError(f"world size {world_size} is not a multiple of TP x PP = {model_parallel}")

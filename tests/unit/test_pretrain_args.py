@@ -73,6 +73,7 @@ def test_unknown_flag_and_contradictions(capsys):
         (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
         (["--micro-batch-size", "4", "--global-batch-size", "6"], "must be a multiple of"),
         (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "divisible by"),
+        (["--yaml-cfg", TINY, "--train-iters", "4"], "--lr-warmup-iters 10 must be below --lr-decay-iters 4"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)
