@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.registry import BY_ID, SERIES, Feature, get
+from megatron.moe_patches.registry import SERIES, Feature, get
 
 logger = logging.getLogger(__name__)
 
@@ -170,4 +170,4 @@ def status() -> List[FeatureStatus]:
     return rows
 
 
-__all__ = ["apply", "revert", "status", "is_applied", "rebind_everywhere", "FeatureStatus", "BY_ID"]
+__all__ = ["apply", "revert", "status", "is_applied", "rebind_everywhere", "FeatureStatus"]

@@ -13,7 +13,7 @@ import torch
 import megatron.core.transformer.transformer_config as tc_module
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches.config import PATCH_FIELD_NAMES, PatchedTransformerConfig
-from megatron.moe_patches.harness import SHAPES, MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
+from megatron.moe_patches.harness import MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = MoEShape(hidden=512, moe_ffn=384, experts=16, topk=4)

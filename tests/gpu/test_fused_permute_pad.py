@@ -4,7 +4,6 @@ megatron-core MoE layer with the fused path against the stock explicit-padding p
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

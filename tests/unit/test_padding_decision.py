@@ -1,6 +1,6 @@
 import pytest
 
-from megatron.moe_patches import apply, capabilities as cap, revert
+from megatron.moe_patches import apply, capabilities as cap
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.routed_expert_padding import (
     OP_FUSER_ALIGNMENT,
