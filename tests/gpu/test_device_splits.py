@@ -168,3 +168,49 @@ def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_
         exact[fc] = all(torch.equal(stock[f"grad:experts.{fc}.weight{i}"], grouped_grad[i]) for i in range(16))
     print(json.dumps({"single_grouped_weight_bitwise": exact}))
     assert all(exact.values()), exact
+
+
+def test_grouped_mm_padded_rows_cost_nothing_and_change_nothing(single_gpu):
+    """Counts padded to an alignment (zero rows, as F1 produces) give the same real rows,
+    and zero outputs and zero input grads on the padding rows."""
+    torch.manual_seed(0)
+    config = tc_module.TransformerConfig(**kwargs_for(8, 2, "swiglu"))
+    counts = torch.tensor([5, 0, 17, 1, 30, 2, 9, 16], device="cuda")
+    padded = (counts + 15) // 16 * 16
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(int(counts.sum()), device="cuda")
+    w1 = (torch.randn(8, 384, 256, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
+    w2 = (torch.randn(8, 256, 192, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
+    rows = torch.cat([torch.arange(int(c), device="cuda") + int(s) for c, s in zip(counts, torch.cumsum(padded, 0) - padded)])
+    x_pad = torch.zeros(int(padded.sum()), 256, device="cuda", dtype=torch.bfloat16).index_copy_(0, rows, x)
+    p_pad = torch.zeros(int(padded.sum()), device="cuda").index_copy_(0, rows, probs)
+    x.requires_grad_(), x_pad.requires_grad_()
+    out = eb.grouped_mm_mlp(x, counts, probs, w1, w2, config)
+    out.sum().backward()
+    grads = (x.grad, w1.grad.clone(), w2.grad.clone())
+    w1.grad = w2.grad = None
+    out_pad = eb.grouped_mm_mlp(x_pad, padded, p_pad, w1, w2, config)
+    out_pad.sum().backward()
+    pad_rows = torch.ones(int(padded.sum()), dtype=torch.bool, device="cuda").index_fill_(0, rows, False)
+    assert torch.equal(out_pad[rows], out) and not out_pad[pad_rows].any()
+    assert torch.equal(x_pad.grad[rows], grads[0])
+    # Zero rows add nothing to the weight grads (the K-split may move: within a bf16 ulp).
+    for got, want in ((w1.grad, grads[1]), (w2.grad, grads[2])):
+        assert (got.float() - want.float()).abs().max() <= 2.0**-7 * want.float().abs().max()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs (nvidia-h200-x2)")
+def test_ep2_device_splits_match_stock(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    out = tmp_path / "ep2.json"
+    worker = Path(__file__).resolve().parent / "ep_device_splits_worker.py"
+    run = subprocess.run(["torchrun", "--nproc-per-node", "2", str(worker), str(out)],
+                         capture_output=True, text=True, env=dict(os.environ), timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    results = json.loads(out.read_text())
+    print(json.dumps(results))
+    for result in results:
+        assert result["backend"] == eb.GROUPED_MM and result["max_rel"] <= TOLERANCE, result

@@ -1,0 +1,61 @@
+"""torchrun worker for test_ep2_device_splits_match_stock: an EP=2 alltoall MoE layer, stock TE
+experts vs F8 + grouped_mm, identical weights and inputs; also counts the host syncs that
+torch's sync debug mode sees in one forward+backward (the all-to-all split sizes need one)."""
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(out_path):
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    import megatron.core.transformer.transformer_config as tc_module
+    from megatron.moe_patches import apply, revert
+    from megatron.moe_patches.harness import forward_backward
+    from test_device_splits import kwargs_for, max_rel_error, run
+
+    results = []
+    for experts, topk, tokens in ((16, 2, 1000), (64, 8, 777)):
+        kwargs = kwargs_for(experts, topk, "swiglu")
+        revert()
+        _, stock = run(tc_module.TransformerConfig(**kwargs), tokens, seed=20 + rank)
+        apply()
+        layer, patched = run(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True), tokens, seed=20 + rank)
+        hidden = torch.randn(tokens, 1, kwargs["hidden_size"], device="cuda", dtype=torch.bfloat16)
+        forward_backward(layer, hidden)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            forward_backward(layer, hidden)
+            torch.cuda.set_sync_debug_mode(0)
+        revert()
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught
+                 if "synchronizing" in str(w.message) and "prototype" not in str(w.message)]
+        errors = max_rel_error(stock, patched)
+        results.append(dict(rank=rank, case=[experts, topk, tokens], backend=layer.experts.backend,
+                            bitwise=all(torch.equal(stock[n], patched[n]) for n in stock),
+                            max_rel=max(errors.values()), host_syncs=len(syncs), where=syncs[:4]))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
