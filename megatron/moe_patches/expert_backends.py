@@ -138,6 +138,19 @@ def grouped_weight(block_EOI: Optional[torch.Tensor], weights) -> torch.Tensor:
     return torch.stack(list(weights))
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's
+    backward rejects stride-0 gradients such as the one ``output.sum()`` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def grouped_mm_mlp(x_TH, tokens_per_expert_E, probs_T, w1_EOI, w2_EOI, config) -> torch.Tensor:
     """FC1 -> prob-weighted GLU -> FC2 over all local experts with device offsets."""
     from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
@@ -153,4 +166,5 @@ def grouped_mm_mlp(x_TH, tokens_per_expert_E, probs_T, w1_EOI, w2_EOI, config) -
         a_TF = weighted_bias_quick_geglu_impl(
             h_TF2, None, weights_T1, False, config.glu_linear_offset, config.activation_func_clamp_value
         )
-    return torch._grouped_mm(a_TF.to(x_TH.dtype), w2_EOI.transpose(1, 2), offs=offsets_E)
+    out_TH = torch._grouped_mm(a_TF.to(x_TH.dtype), w2_EOI.transpose(1, 2), offs=offsets_E)
+    return _ContiguousGrad.apply(out_TH)

@@ -34,7 +34,7 @@ def run(config, tokens, seed=5):
     grad = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
     output, input_grad = forward_backward(layer, hidden, grad)
     tensors = {"output": output, "input_grad": input_grad}
-    tensors.update({f"grad:{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None})
+    tensors.update({f"grad:{n}": p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None})
     return layer, tensors
 
 
