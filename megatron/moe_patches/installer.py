@@ -61,9 +61,7 @@ def rebind_everywhere(old: object, new: object) -> int:
 def _selected(features: Optional[Iterable[str]]) -> List[Feature]:
     if features is None:
         return list(SERIES)
-    wanted = {get(feature_id).id for feature_id in features}
-    for feature_id in list(wanted):
-        wanted.update(get(feature_id).requires)
+    wanted = {get(feature_id).id for feature_id in features}  # raises on an unknown id
     return [feature for feature in SERIES if feature.id in wanted]
 
 
