@@ -84,7 +84,8 @@ class BackendTEGroupedMLP(PaddingAwareTEGroupedMLP):
                 "the grouped_mm backend (--moe-device-tokens-per-expert, bf16, SwiGLU/quick-GEGLU, no "
                 "bias, ETP 1, Hopper); the op-fuser grouped MLP (F4) is not in this version yet."
             )
-        if patch_option(config, "use_transformer_engine_op_fuser") and not is_applied("F4"):
+        op_fuser_fields = ("use_transformer_engine_op_fuser", "moe_mlp_glu_interleave_size")
+        if any(patch_option(config, f) for f in op_fuser_fields) and not is_applied("F4"):
             logger.warning(
                 "use_transformer_engine_op_fuser / moe_mlp_glu_interleave_size are set, but the "
                 "op-fuser grouped MLP (F4) is not in this version yet: the experts run the %s path.",
