@@ -167,6 +167,10 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         )
 
 
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float32
+
+
 def transformer_config_kwargs(args: argparse.Namespace) -> dict:
     """TransformerConfig constructor kwargs from the parsed args."""
     kwargs = dict(
@@ -191,8 +195,8 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        params_dtype=params_dtype(args),
+        pipeline_dtype=params_dtype(args),
         deterministic_mode=args.deterministic_mode,
     )
     if args.fp8_format:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.moe_patches import checkpointing
-from megatron.moe_patches.pretrain import check_args, transformer_config_kwargs
+from megatron.moe_patches.pretrain import check_args, params_dtype, transformer_config_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def build_optimizer(args, ddp_model):
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,
             bf16=args.bf16,
-            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            params_dtype=params_dtype(args),
             use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         [ddp_model],

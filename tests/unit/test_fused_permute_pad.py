@@ -6,7 +6,6 @@ import torch
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import fused_permute_pad as f1
-from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.fused_permute_pad import (
     align_up,
     fused_padding_alignment,
@@ -69,23 +68,6 @@ def test_reference_round_trip():
     torch.testing.assert_close(merged, tokens * probs.sum(dim=1, keepdim=True))
 
 
-BASE = dict(
-    num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
-    moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
-)
-
-
-def cfg(**overrides):
-    # Stock validation asks TE about permute fusion and FP8 at construction; a CPU
-    # machine has no TE, so those fields are set afterwards.
-    late = dict(moe_permute_fusion=overrides.pop("moe_permute_fusion", True))
-    late.update({k: overrides.pop(k) for k in ("fp8", "fp8_recipe", "moe_router_padding_for_quantization") if k in overrides})
-    config = PatchedTransformerConfig(**{**BASE, **overrides})
-    for name, value in late.items():
-        setattr(config, name, value)
-    return config
-
-
 @pytest.fixture
 def te_kernel(monkeypatch):
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
@@ -106,16 +88,16 @@ DECISIONS = [
 
 
 @pytest.mark.parametrize("overrides, expected", DECISIONS, ids=[str(d) for d, _ in DECISIONS])
-def test_fused_padding_decision(te_kernel, overrides, expected):
-    assert fused_padding_alignment(cfg(**overrides)) == expected
+def test_fused_padding_decision(moe_config, te_kernel, overrides, expected):
+    assert fused_padding_alignment(moe_config(**overrides)) == expected
 
 
-def test_fallback_without_te_kernel_warns_once(monkeypatch, caplog):
+def test_fallback_without_te_kernel_warns_once(moe_config, monkeypatch, caplog):
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: False)
     monkeypatch.setattr(f1, "_logged", set())
     with caplog.at_level(logging.WARNING, logger=f1.__name__):
-        assert fused_padding_alignment(cfg(fp8="e4m3")) is None
-        assert fused_padding_alignment(cfg(fp8="e4m3")) is None
+        assert fused_padding_alignment(moe_config(fp8="e4m3")) is None
+        assert fused_padding_alignment(moe_config(fp8="e4m3")) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "TE >= 2.14" in warnings[0].getMessage()
 
@@ -148,8 +130,8 @@ def routing_for(counts):
     return routing
 
 
-def test_alltoall_padded_metadata_ep1(te_kernel):
-    config = cfg(fp8="e4m3")
+def test_alltoall_padded_metadata_ep1(moe_config, te_kernel):
+    config = moe_config(fp8="e4m3")
     dispatcher = bare_alltoall(config, ep_size=1, num_local_experts=8)
     counts = [5, 0, 16, 17, 1, 32, 3, 2]
     tokens_per_expert = dispatcher.preprocess(routing_for(counts))
@@ -157,9 +139,9 @@ def test_alltoall_padded_metadata_ep1(te_kernel):
     assert dispatcher.num_global_tokens_per_local_expert.tolist() == [[16, 0, 16, 32, 16, 32, 16, 16]]
 
 
-def test_alltoall_padded_metadata_ep2(te_kernel, monkeypatch):
+def test_alltoall_padded_metadata_ep2(moe_config, te_kernel, monkeypatch):
     """EP=2, rank 0 owns experts 0-3: each (source rank, expert) chunk is padded on its own."""
-    config = cfg(fp8="e4m3")
+    config = moe_config(fp8="e4m3")
     mine = [5, 0, 16, 17, 1, 2, 3, 40]
     other_rank = torch.tensor([1, 1, 0, 20, 7, 7, 7, 7])
 
@@ -177,7 +159,7 @@ def test_alltoall_padded_metadata_ep2(te_kernel, monkeypatch):
     assert tokens_per_expert.tolist() == [32, 16, 16, 64]
 
 
-def test_alltoall_unpadded_when_inactive(te_kernel):
-    dispatcher = bare_alltoall(cfg(), ep_size=1, num_local_experts=8)  # bf16
+def test_alltoall_unpadded_when_inactive(moe_config, te_kernel):
+    dispatcher = bare_alltoall(moe_config(), ep_size=1, num_local_experts=8)  # bf16
     assert dispatcher.pad_align is None
     assert dispatcher.preprocess(routing_for([5, 0, 3, 1, 1, 1, 1, 1])).tolist() == [5, 0, 3, 1, 1, 1, 1, 1]

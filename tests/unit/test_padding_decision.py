@@ -1,36 +1,18 @@
 import pytest
 
 from megatron.moe_patches import apply, capabilities as cap
-from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.routed_expert_padding import (
     OP_FUSER_ALIGNMENT,
     quantization_alignment,
     skip_routed_expert_padding,
 )
 
-BASE = dict(
-    num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
-    moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
-)
-
-
-def cfg(**overrides):
-    # Stock validation asks TE about permute fusion and FP8 at construction; a CPU
-    # machine has no TE, so those fields are set afterwards.
-    late = dict(moe_permute_fusion=overrides.pop("moe_permute_fusion", True))
-    late.update({k: overrides.pop(k) for k in ("fp8", "fp8_recipe", "moe_router_padding_for_quantization") if k in overrides})
-    config = PatchedTransformerConfig(**{**BASE, **overrides})
-    for name, value in late.items():
-        setattr(config, name, value)
-    return config
-
-
-def test_quantization_alignment():
-    assert quantization_alignment(cfg()) is None
-    assert quantization_alignment(cfg(fp8="e4m3")) == 16
-    assert quantization_alignment(cfg(fp8="e4m3", fp8_recipe="mxfp8")) == 32
+def test_quantization_alignment(moe_config):
+    assert quantization_alignment(moe_config()) is None
+    assert quantization_alignment(moe_config(fp8="e4m3")) == 16
+    assert quantization_alignment(moe_config(fp8="e4m3", fp8_recipe="mxfp8")) == 32
     # The op fuser's 256 applies only once its patch (F4) is installed.
-    assert quantization_alignment(cfg(use_transformer_engine_op_fuser=True)) is None
+    assert quantization_alignment(moe_config(use_transformer_engine_op_fuser=True)) is None
     assert OP_FUSER_ALIGNMENT % 32 == 0  # every recipe alignment divides it
 
 
@@ -48,8 +30,8 @@ TABLE = [
 
 
 @pytest.mark.parametrize("overrides, f1_applied, te_kernel, expected", TABLE)
-def test_skip_routed_expert_padding_table(monkeypatch, reverted, overrides, f1_applied, te_kernel, expected):
+def test_skip_routed_expert_padding_table(moe_config, monkeypatch, reverted, overrides, f1_applied, te_kernel, expected):
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: te_kernel)
     if f1_applied:
         apply(["F1"])
-    assert skip_routed_expert_padding(cfg(**overrides)) is expected
+    assert skip_routed_expert_padding(moe_config(**overrides)) is expected
