@@ -38,6 +38,9 @@ VARIANTS = {
     "patched": {},
     # F8 + the sync-free grouped_mm expert backend (bf16); FP8 keeps the TE backend.
     "device-splits": {"moe_device_tokens_per_expert": True},
+    # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
+    "op-fuser": {"use_transformer_engine_op_fuser": True},
+    "op-fuser-interleave": {"use_transformer_engine_op_fuser": True, "moe_mlp_glu_interleave_size": 32},
 }
 
 

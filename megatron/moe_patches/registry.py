@@ -136,8 +136,9 @@ SERIES: Tuple[Feature, ...] = (
         ),
         page="patches/F4-op-fuser-grouped-mlp.md",
         test="tests/gpu/test_op_fuser_grouped_mlp.py",
-        module=None,
+        module="megatron.moe_patches.op_fuser_grouped_mlp",
         issue=4,
+        requires=("C0", "F8"),
     ),
     Feature(
         id="F5",

@@ -21,23 +21,24 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 
 from megatron.moe_patches.config import patch_option
 
-# The op fuser's grouped GEMMs want 256-row groups (CUTLASS tile alignment).
+# TE's fused grouped-MLP kernels take quantized groups of 256 rows.
 OP_FUSER_ALIGNMENT = 256
 
 
 def quantization_alignment(config) -> Optional[int]:
     """Rows each expert's token count must be a multiple of, or None when nothing needs it.
 
-    FP8/FP4: the recipe's GEMM alignment (16; 32 for MXFP8/FP4). With the op-fuser
-    grouped MLP (F4) applied and switched on: 256, which every recipe alignment divides.
+    FP8/FP4: the recipe's GEMM alignment (16; 32 for MXFP8/FP4), or 256 with the op-fuser
+    grouped MLP (F4) applied and switched on (every recipe alignment divides it).
+    bf16 needs no padding on any path, so it gets none.
     """
     from megatron.moe_patches.installer import is_applied
 
+    if not (config.fp8 or config.fp4):
+        return None
     if is_applied("F4") and patch_option(config, "use_transformer_engine_op_fuser"):
         return OP_FUSER_ALIGNMENT
-    if config.fp8 or config.fp4:
-        return get_align_size_for_quantization(config)
-    return None
+    return get_align_size_for_quantization(config)
 
 
 def dispatcher_pads_on_device(config) -> bool:

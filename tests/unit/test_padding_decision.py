@@ -16,6 +16,13 @@ def test_quantization_alignment(moe_config):
     assert OP_FUSER_ALIGNMENT % 32 == 0  # every recipe alignment divides it
 
 
+def test_op_fuser_alignment_applies_to_quantized_tokens_only(moe_config, reverted):
+    apply(["F4"])
+    assert quantization_alignment(moe_config(fp8="e4m3", use_transformer_engine_op_fuser=True)) == 256
+    assert quantization_alignment(moe_config(fp8="e4m3")) == 16
+    assert quantization_alignment(moe_config(use_transformer_engine_op_fuser=True)) is None  # bf16 never pads
+
+
 TABLE = [
     # (config overrides, F1 applied, TE kernel, experts skip their padding)
     (dict(fp8="e4m3"), False, True, False),

@@ -1,0 +1,64 @@
+"""GLU block interleave for the op-fuser grouped MLP (part of F4).
+
+A gated FC1 stores its 2F output rows *concatenated*: gate rows 0..F-1, then linear
+rows F..2F-1 (megatron-core's layout, and every checkpoint's). TE's fused GLU kernels
+can read them *block-interleaved* with block size s instead: s gate rows, s linear
+rows, s gate rows, ... (``moe_mlp_glu_interleave_size = s``).
+
+The op-fuser experts keep their FC1 parameters interleaved in memory and convert at the
+checkpoint boundary, so checkpoints always hold the concatenated layout and load with
+interleave on or off. The two conversions are exact inverses (pure row permutations).
+"""
+
+import torch
+
+
+def _blocks(rows: int, size: int) -> int:
+    if rows % (2 * size):
+        raise ValueError(f"GLU interleave size {size} does not divide half of {rows} rows")
+    return rows // (2 * size)
+
+
+def to_interleaved(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
+    """Concatenated [gate; linear] rows along ``dim`` -> blocks of ``size`` alternating."""
+    t = t.movedim(dim, 0)
+    blocks = _blocks(t.shape[0], size)
+    out = t.reshape(2, blocks, size, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+    return out.movedim(0, dim).contiguous()
+
+
+def to_concatenated(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
+    """Inverse of ``to_interleaved``."""
+    t = t.movedim(dim, 0)
+    blocks = _blocks(t.shape[0], size)
+    out = t.reshape(blocks, 2, size, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+    return out.movedim(0, dim).contiguous()
+
+
+def _expert_keys(state_dict, prefix: str):
+    for key in list(state_dict):
+        name = key[len(prefix):] if key.startswith(prefix) else None
+        if name and name.rstrip("0123456789") in ("weight", "bias") and name[-1].isdigit():
+            yield key
+
+
+def interleave_parameters(linear_fc1, size: int) -> None:
+    """Put FC1's per-expert weights and biases into the interleaved layout, in place, and
+    make its state dicts speak the concatenated layout (save and load)."""
+    with torch.no_grad():
+        for name, param in linear_fc1.named_parameters(recurse=False):
+            if name.rstrip("0123456789") in ("weight", "bias"):
+                param.data = to_interleaved(param.data, size)
+
+    def save_concatenated(module, state_dict, prefix, local_metadata):
+        for key in _expert_keys(state_dict, prefix):
+            state_dict[key] = to_concatenated(state_dict[key].detach(), size)
+        return state_dict
+
+    def load_interleaved(module, state_dict, prefix, *args):
+        for key in _expert_keys(state_dict, prefix):
+            state_dict[key] = to_interleaved(state_dict[key], size)
+
+    linear_fc1._register_state_dict_hook(save_concatenated)
+    linear_fc1._register_load_state_dict_pre_hook(load_interleaved, with_module=True)
+    linear_fc1.glu_interleave_size = size

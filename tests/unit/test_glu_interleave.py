@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from megatron.moe_patches.glu_interleave import interleave_parameters, to_concatenated, to_interleaved
+
+
+def test_interleaved_row_order_is_blocks_of_gate_then_linear():
+    gate, linear = torch.arange(0, 6), torch.arange(100, 106)
+    rows = torch.cat([gate, linear])
+    assert to_interleaved(rows, 2).tolist() == [0, 1, 100, 101, 2, 3, 102, 103, 4, 5, 104, 105]
+    assert to_interleaved(rows, 3).tolist() == [0, 1, 2, 100, 101, 102, 3, 4, 5, 103, 104, 105]
+    # Size F: one block of each, the concatenated layout itself.
+    assert torch.equal(to_interleaved(rows, 6), rows)
+
+
+@pytest.mark.parametrize("shape, dim, size", [((12, 5), 0, 2), ((12,), 0, 1), ((3, 24, 4), 1, 4), ((2, 7, 16), -1, 8)])
+def test_conversions_are_exact_inverses(shape, dim, size):
+    t = torch.randn(shape, dtype=torch.bfloat16)
+    inter = to_interleaved(t, size, dim)
+    assert not torch.equal(inter, t) or t.shape[dim] == 2 * size
+    assert torch.equal(to_concatenated(inter, size, dim), t)
+    assert torch.equal(to_interleaved(to_concatenated(t, size, dim), size, dim), t)
+
+
+def test_size_must_divide_half_the_rows():
+    with pytest.raises(ValueError, match="does not divide"):
+        to_interleaved(torch.zeros(12, 3), 4)
+
+
+class TwoExperts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for i in range(2):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(8, 3)))
+            self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.randn(8)))
+
+
+def test_parameters_interleaved_in_memory_checkpoints_concatenated():
+    module = TwoExperts()
+    original = {k: v.clone() for k, v in module.state_dict().items()}
+    params = dict(module.named_parameters())
+    interleave_parameters(module, 2)
+    assert all(p is params[n] for n, p in module.named_parameters())  # same Parameter objects
+    assert torch.equal(module.weight0.detach(), to_interleaved(original["weight0"], 2))
+    saved = module.state_dict()
+    assert all(torch.equal(saved[k], original[k]) for k in original)
+
+    # A checkpoint from an uninterleaved model loads into the interleaved layout...
+    other = TwoExperts()
+    module.load_state_dict(other.state_dict())
+    assert torch.equal(module.bias1.detach(), to_interleaved(other.bias1.detach(), 2))
+    # ...and the interleaved model's checkpoint loads into an uninterleaved one unchanged.
+    fresh = TwoExperts()
+    fresh.load_state_dict(module.state_dict())
+    assert all(torch.equal(fresh.state_dict()[k], other.state_dict()[k]) for k in original)
