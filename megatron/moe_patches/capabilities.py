@@ -96,6 +96,15 @@ def te_op_fuser_grouped_mlp() -> bool:
     return all(_te_attr(f"ops.{op}") is not None for op in ("GroupedLinear", "ScaledSwiGLU"))
 
 
+def te_fused_grouped_mlp_kernel() -> bool:
+    """TE fuses the grouped-MLP op pipeline into one kernel on this GPU (SM100 + cuDNN FE today)."""
+    fused = _te_attr("ops.fused.GroupedMLP_CuTeGEMMGLU")
+    try:
+        return fused is not None and bool(fused.is_supported())
+    except Exception:  # no GPU, or a probe that cannot run here: not available
+        return False
+
+
 def te_ops_grouped_linear_has(option: str) -> bool:
     """Whether ``te.pytorch.ops.GroupedLinear`` takes a constructor option (F4/F5)."""
     return accepts_parameter(_te_attr("ops.GroupedLinear"), option)

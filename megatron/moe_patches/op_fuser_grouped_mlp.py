@@ -53,6 +53,9 @@ def op_fuser_blocker(config) -> Optional[str]:
         return f"Transformer Engine {cap.te_version()} has no te.pytorch.ops.{SCALED_GLU_OPS[activation]}"
     if config.add_bias_linear and not cap.te_ops_grouped_linear_has("scale_bias"):
         return f"Transformer Engine {cap.te_version()}'s ops.GroupedLinear cannot scale the FC2 bias by probs"
+    interleave = patch_option(config, "moe_mlp_glu_interleave_size")
+    if interleave and interleave % 32:
+        return f"moe_mlp_glu_interleave_size={interleave}: TE's scaled GLU kernels need a multiple of 32"
     if (config.expert_tensor_parallel_size or 1) > 1:
         return "expert tensor parallelism > 1"
     if config.moe_apply_probs_on_input:

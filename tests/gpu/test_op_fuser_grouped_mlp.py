@@ -26,10 +26,11 @@ from megatron.moe_patches.harness import build_moe_layer  # noqa: E402
 
 # Tolerances, relative to each tensor's largest magnitude. The GEMMs are the same cuBLAS
 # grouped GEMMs; the GLU differs: TE's scaled GLU kernel rounds the router probs to bf16
-# and multiplies in another order than megatron-core's fused weighted GLU. bf16: 2**-6
-# (two bf16 ulps of the top binade). FP8: a 1-ulp bf16 difference before FC2 can move an
-# FP8 (e4m3, 3 mantissa bits) rounding by one step: 2**-3.
-TOLERANCE = {"bf16": 2.0**-6, "fp8": 2.0**-3}
+# and multiplies in another order than megatron-core's fused weighted GLU: two bf16 ulps
+# of the top binade, 2**-6 (measured on H200: at most 0.0061). FP8 tensorwise: a 1-ulp
+# bf16 difference before a quantization can move an e4m3 rounding by one step, so twice
+# that, 2**-5 (measured: at most 0.0061, the same as bf16).
+TOLERANCE = {"bf16": 2.0**-6, "fp8": 2.0**-5}
 TOKENS = 700
 
 
@@ -39,9 +40,8 @@ def run(kwargs, fused, interleave=None, delay=False, seed=11):
     fc1_calls = []
     layer.experts.linear_fc1.register_forward_hook(lambda *args: fc1_calls.append(1))
     hidden, grad = inputs(config, TOKENS, seed)
-    with torch.no_grad():
-        state = {k: standard_layout(layer, k, v).clone() for k, v in layer.state_dict().items()
-                 if "_extra_state" not in k}
+    # The state dict speaks the checkpoint layout by itself (glu_interleave's hooks).
+    state = {k: v.clone() for k, v in layer.state_dict().items() if "_extra_state" not in k}
     output, input_grad = step(layer, layer, hidden, grad)
     tensors = {"output": output, "input_grad": input_grad}
     for name, param in layer.named_parameters():
@@ -60,7 +60,7 @@ CASES = [  # activation, bias, interleave, delay, precision
     ("swiglu", False, None, True, "bf16"),
     ("quick_geglu", False, None, False, "bf16"),
     ("quick_geglu", True, 32, False, "bf16"),
-    ("quick_geglu", False, 16, True, "bf16"),
+    ("quick_geglu", False, 32, True, "bf16"),
     ("swiglu", False, None, False, "fp8"),
     ("swiglu", True, 32, True, "fp8"),
     ("quick_geglu", False, 64, False, "fp8"),
@@ -87,7 +87,7 @@ def test_op_fuser_matches_unfused_te_experts(single_gpu, activation, bias, inter
 
 
 def test_op_fuser_matches_sequential_mlp(single_gpu):
-    kwargs = kwargs_for("swiglu", bias=True)
+    kwargs = kwargs_for("swiglu")  # megatron-core's MLP has no fused weighted GLU with bias
     fused, fused_state, info = run(kwargs, fused=True, interleave=32)
     assert info["fused_pipeline"]
     # SequentialMLP (one MLP per expert, no grouped GEMM) with the same weights.

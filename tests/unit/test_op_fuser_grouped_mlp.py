@@ -33,6 +33,7 @@ def test_blocker_accepts_plain_swiglu_and_quick_geglu(moe_config, te_ops_present
     (dict(activation_func=F.gelu), "activation"),
     (dict(use_te_activation_func=True), "activation"),
     (dict(expert_tensor_parallel_size=2), "tensor parallelism"),
+    (dict(moe_mlp_glu_interleave_size=16), "multiple of 32"),
     (dict(moe_apply_probs_on_input=True), "probs-on-input"),
     (dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]), "offloading"),
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "recompute"),

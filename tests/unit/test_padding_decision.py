@@ -16,9 +16,12 @@ def test_quantization_alignment(moe_config):
     assert OP_FUSER_ALIGNMENT % 32 == 0  # every recipe alignment divides it
 
 
-def test_op_fuser_alignment_applies_to_quantized_tokens_only(moe_config, reverted):
+@pytest.mark.parametrize("fused_kernel", [True, False])
+def test_op_fuser_alignment_where_te_fuses_the_grouped_mlp(moe_config, reverted, monkeypatch, fused_kernel):
+    monkeypatch.setattr(cap, "te_fused_grouped_mlp_kernel", lambda: fused_kernel)
     apply(["F4"])
-    assert quantization_alignment(moe_config(fp8="e4m3", use_transformer_engine_op_fuser=True)) == 256
+    fused_fp8 = moe_config(fp8="e4m3", use_transformer_engine_op_fuser=True)
+    assert quantization_alignment(fused_fp8) == (256 if fused_kernel else 16)
     assert quantization_alignment(moe_config(fp8="e4m3")) == 16
     assert quantization_alignment(moe_config(use_transformer_engine_op_fuser=True)) is None  # bf16 never pads
 
