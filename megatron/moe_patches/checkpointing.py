@@ -24,6 +24,10 @@ MODEL_ARGS = [
     "untie_embeddings_and_output_weights", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
     "moe_router_topk", "moe_shared_expert_intermediate_size",
 ]
+# Args that permute parameters in memory but not in the model's checkpoint: the distributed
+# optimizer's dp_reshardable states are flat buffers in memory layout, so they only load
+# into the same layout (F4's GLU interleave; converting them is issue #5's work).
+OPTIMIZER_LAYOUT_ARGS = ["moe_mlp_glu_interleave_size"]
 # The sharding optimizers' states use: it survives changes of DP size.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -91,7 +95,19 @@ def save(root: str, iteration: int, model, optimizer, scheduler, args) -> str:
     return path
 
 
-def load(root: str, model, optimizer, scheduler) -> int:
+def check_optimizer_layout(args: argparse.Namespace, saved: dict) -> None:
+    """Refuse, before loading anything, optimizer states saved in another memory layout."""
+    drift = [name for name in OPTIMIZER_LAYOUT_ARGS if name in saved and saved[name] != getattr(args, name, None)]
+    if drift:
+        pairs = ", ".join(f"--{n.replace('_', '-')} {saved[n]} (checkpoint) vs {getattr(args, n, None)} (now)"
+                          for n in drift)
+        raise ValueError(
+            f"the checkpoint's optimizer states were saved in another parameter layout: {pairs}. "
+            "Resume with the checkpoint's value (or --use-checkpoint-args)."
+        )
+
+
+def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> int:
     """Load the newest checkpoint under ``root``; returns its iteration."""
     from megatron.core import dist_checkpointing
 
@@ -99,6 +115,7 @@ def load(root: str, model, optimizer, scheduler) -> int:
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER} there")
     path = iteration_dir(root, iteration)
+    check_optimizer_layout(args, dist_checkpointing.load_common_state_dict(path)["args"])
     loaded = dist_checkpointing.load(_state(model, optimizer, scheduler, iteration, None, loading=True), path)
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])

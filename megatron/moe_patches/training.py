@@ -264,7 +264,7 @@ def pretrain(args: argparse.Namespace) -> None:
 
     iteration = 0
     if args.load and checkpointing.latest_iteration(args.load) is not None:
-        iteration = checkpointing.load(args.load, gpt, optimizer, scheduler)
+        iteration = checkpointing.load(args.load, gpt, optimizer, scheduler, args)
         _print_rank0(f"loaded checkpoint {args.load} at iteration {iteration}")
 
     dataset = build_train_dataset(args)

@@ -113,3 +113,13 @@ def test_checkpoint_tracker(tmp_path):
     (tmp_path / checkpointing.TRACKER).write_text("40\n")
     assert checkpointing.latest_iteration(str(tmp_path)) == 40
     assert checkpointing.iteration_dir("/ckpt", 40) == "/ckpt/iter_0000040"
+
+
+def test_optimizer_states_refused_across_glu_interleave():
+    saved = vars(parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser",
+                             "--moe-mlp-glu-interleave-size", "32"])).copy()
+    same = parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32"])
+    checkpointing.check_optimizer_layout(same, saved)  # same layout: loads
+    other = parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser"])
+    with pytest.raises(ValueError, match="--moe-mlp-glu-interleave-size 32 \\(checkpoint\\) vs None"):
+        checkpointing.check_optimizer_layout(other, saved)
