@@ -24,10 +24,11 @@ MODEL_ARGS = [
     "untie_embeddings_and_output_weights", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
     "moe_router_topk", "moe_shared_expert_intermediate_size",
 ]
-# Args that permute parameters in memory but not in the model's checkpoint: the distributed
-# optimizer's dp_reshardable states are flat buffers in memory layout, so they only load
-# into the same layout (F4's GLU interleave; converting them is issue #5's work).
-OPTIMIZER_LAYOUT_ARGS = ["moe_mlp_glu_interleave_size"]
+# Args that change the parameters' memory layout but not the model's checkpoint keys: the
+# distributed optimizer's dp_reshardable states are flat buffers in memory layout, so they
+# only load into the same layout (F4's GLU interleave permutes FC1 rows; a single grouped
+# weight replaces E parameters by one). Converting them is F7's work (issue #5).
+OPTIMIZER_LAYOUT_ARGS = ["moe_mlp_glu_interleave_size", "moe_single_grouped_weight", "moe_single_grouped_bias"]
 # The sharding optimizers' states use: it survives changes of DP size.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
