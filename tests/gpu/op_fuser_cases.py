@@ -67,18 +67,18 @@ def max_rel_error(reference, candidate):
     return worst
 
 
-def ddp_main_grads(kwargs, fused, tokens, seed, distributed_optimizer=False, interleave=None):
+def ddp_main_grads(kwargs, fused, tokens, seed, distributed_optimizer=False, interleave=None, delay=True):
     """Megatron DDP (overlap_grad_reduce, delayed wgrad) over one MoE layer: every param's
     main_grad after one step and the grad sync, in the checkpoint layout."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    config = make_config(kwargs, fused, interleave=interleave, delay=True)
+    config = make_config(kwargs, fused, interleave=interleave, delay=delay)
     layer = build_moe_layer(config)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=True,
         use_distributed_optimizer=distributed_optimizer,
-        delay_wgrad_compute=True,
+        delay_wgrad_compute=delay,
         bucket_size=1 << 16,  # several buckets: reductions fire while backward runs
     )
     model = DistributedDataParallel(config, ddp_config, layer)
