@@ -29,8 +29,15 @@ MODEL_ARGS = [
 # only load into the same layout (F4's GLU interleave permutes FC1 rows; a single grouped
 # weight replaces E parameters by one). Converting them is F7's work (issue #5).
 OPTIMIZER_LAYOUT_ARGS = ["moe_mlp_glu_interleave_size", "moe_single_grouped_weight", "moe_single_grouped_bias"]
-# The sharding optimizers' states use: it survives changes of DP size.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Distributed-optimizer state formats: per-DP-rank flat buffers (survive a DP change), or
+# per parameter under the model's keys (survive DP/EP and expert-layout changes; F7 maps
+# grouped parameters to their per-expert keys).
+DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
+FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def optimizer_metadata(args) -> dict:
+    return FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else DP_RESHARDABLE
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -71,7 +78,7 @@ def saved_args(root: str) -> dict:
 def _state(model, optimizer, scheduler, iteration, args, loading):
     state = {"model": model.sharded_state_dict()}
     state["optimizer"] = optimizer.sharded_state_dict(
-        state["model"], is_loading=loading, metadata=OPTIMIZER_METADATA
+        state["model"], is_loading=loading, metadata=optimizer_metadata(args)
     )
     if not loading:
         state.update(iteration=iteration, opt_param_scheduler=scheduler.state_dict(), args=vars(args).copy())
@@ -98,7 +105,10 @@ def save(root: str, iteration: int, model, optimizer, scheduler, args) -> str:
 
 def check_optimizer_layout(args: argparse.Namespace, saved: dict) -> None:
     """Refuse, before loading anything, optimizer states saved in another memory layout."""
-    drift = [name for name in OPTIMIZER_LAYOUT_ARGS if name in saved and saved[name] != getattr(args, name, None)]
+    layout_args = OPTIMIZER_LAYOUT_ARGS
+    if saved.get("dist_ckpt_optim_fully_reshardable"):  # per-expert keys: only the interleave bites
+        layout_args = ["moe_mlp_glu_interleave_size"]
+    drift = [name for name in layout_args if name in saved and saved[name] != getattr(args, name, None)]
     if drift:
         pairs = ", ".join(f"--{n.replace('_', '-')} {saved[n]} (checkpoint) vs {getattr(args, n, None)} (now)"
                           for n in drift)
@@ -116,8 +126,11 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER} there")
     path = iteration_dir(root, iteration)
-    check_optimizer_layout(args, dist_checkpointing.load_common_state_dict(path)["args"])
-    loaded = dist_checkpointing.load(_state(model, optimizer, scheduler, iteration, None, loading=True), path)
+    saved = dist_checkpointing.load_common_state_dict(path)["args"]
+    check_optimizer_layout(args, saved)
+    # The checkpoint's format decides how its optimizer states are read.
+    layout = argparse.Namespace(dist_ckpt_optim_fully_reshardable=saved.get("dist_ckpt_optim_fully_reshardable", False))
+    loaded = dist_checkpointing.load(_state(model, optimizer, scheduler, iteration, layout, loading=True), path)
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     common = dist_checkpointing.load_common_state_dict(path)

@@ -7,10 +7,16 @@ rows, s gate rows, ... (``moe_mlp_glu_interleave_size = s``).
 
 The op-fuser experts keep their FC1 parameters interleaved in memory and convert at the
 checkpoint boundary, so checkpoints always hold the concatenated layout and load with
-interleave on or off. The two conversions are exact inverses (pure row permutations).
+interleave on or off: plain state dicts through module hooks, distributed ones through
+``concatenated_factory``, which the optimizer applies to its states too (main params,
+Adam moments are interleaved in memory like the parameters). The two conversions are
+exact inverses (pure row permutations).
 """
 
+from dataclasses import replace
+
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
 
 def _blocks(rows: int, size: int) -> int:
@@ -52,7 +58,10 @@ def interleave_parameters(linear_fc1, size: int) -> None:
 
     def save_concatenated(module, state_dict, prefix, local_metadata):
         for key in _expert_keys(state_dict, prefix):
-            state_dict[key] = to_concatenated(state_dict[key].detach(), size)
+            # keep_vars callers (sharded_state_dict) get the live parameter and wrap it in
+            # concatenated_factory, so optimizer states convert the same way.
+            if not isinstance(state_dict[key], torch.nn.Parameter):
+                state_dict[key] = to_concatenated(state_dict[key].detach(), size)
         return state_dict
 
     def load_interleaved(module, state_dict, prefix, *args):
@@ -62,3 +71,24 @@ def interleave_parameters(linear_fc1, size: int) -> None:
     linear_fc1._register_state_dict_hook(save_concatenated)
     linear_fc1._register_load_state_dict_pre_hook(load_interleaved, with_module=True)
     linear_fc1.glu_interleave_size = size
+
+
+def concatenated_factory(entry, size: int) -> ShardedTensorFactory:
+    """A sharded-state-dict entry over an interleaved tensor that saves it concatenated.
+
+    ``entry`` is the stock entry (a ShardedTensor or a factory such as the SwiGLU split)
+    built over the interleaved parameter; its data stays the parameter, so optimizers
+    still find it by identity and pass their states through the same conversion.
+    """
+
+    def build(key, data, replica_id, flattened_range):
+        standard = to_concatenated(data, size)
+        if isinstance(entry, ShardedTensorFactory):
+            return entry.build_fn(key, standard, replica_id, flattened_range)
+        return replace(entry, key=key, data=standard, dtype=standard.dtype, replica_id=replica_id)
+
+    def merge(loaded):
+        merged = entry.merge_fn(loaded) if isinstance(entry, ShardedTensorFactory) else loaded
+        return to_interleaved(merged, size)
+
+    return ShardedTensorFactory(entry.key, entry.data, build, merge, entry.replica_id)

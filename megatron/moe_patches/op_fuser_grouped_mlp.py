@@ -32,7 +32,7 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import expert_backends as backends
 from megatron.moe_patches.config import patch_option
 from megatron.moe_patches.device_splits import BackendTEGroupedMLP
-from megatron.moe_patches.glu_interleave import interleave_parameters
+from megatron.moe_patches.glu_interleave import concatenated_factory, interleave_parameters
 from megatron.moe_patches.routed_expert_padding import quantization_alignment
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,16 @@ class OpFuserTEGroupedMLP(BackendTEGroupedMLP):
         if pads:
             out_TH = self.quantization_unpadding(out_TH, actual)
         return out_TH, None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if not self.glu_interleave_size:
+            return sharded
+        fc1_params = {id(p) for p in self.linear_fc1.parameters()}
+        for key, entry in sharded.items():
+            if id(getattr(entry, "data", None)) in fc1_params:
+                sharded[key] = concatenated_factory(entry, self.glu_interleave_size)
+        return sharded
 
     def backward_dw(self):
         if not self.uses_op_fuser or self._ops is None:

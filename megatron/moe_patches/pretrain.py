@@ -97,6 +97,9 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     log.add_argument("--save", default=None)
     log.add_argument("--load", default=None)
     log.add_argument("--save-interval", type=int, default=None)
+    log.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                     help="save distributed-optimizer states per parameter (loads across DP/EP sizes "
+                     "and expert layouts) instead of per-DP-rank buffers")
     log.add_argument("--use-checkpoint-args", action="store_true")
     log.add_argument("--yaml-cfg", default=None, help="recipe: flat 'flag: value' or Megatron's nested form")
 

@@ -172,19 +172,19 @@ SERIES: Tuple[Feature, ...] = (
     Feature(
         id="F7",
         title="DistributedOptimizer grouped tensors",
-        changes="Detects grouped (quantized) params, widens shards to whole groups for casting, "
-        "normalises the model-param <-> state-dict map across grouped/indexed layouts.",
+        changes="Optimizers map a grouped param to its per-expert checkpoint entries (one factory), "
+        "so main params and Adam states save and load per expert, across grouped/indexed layouts.",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4324"),
         te_requirement="none beyond F5",
         te_probe=None,
         native=lambda: cap.mcore_attr(
-            "optimizer.distrib_optimizer", "DistributedOptimizer._normalize_state_dict_for_grouped_params"
+            "optimizer.distrib_optimizer", "DistributedOptimizer._is_grouped_quantized_tensor"
         )
         is not None,
         page="patches/F7-distopt-grouped.md",
-        test="tests/gpu/test_distopt_grouped.py",
-        module=None,
+        test="tests/unit/test_grouped_optimizer_state.py, tests/gpu/test_grouped_checkpoint_round_trips.py",
+        module="megatron.moe_patches.grouped_optimizer_state",
         issue=5,
     ),
     Feature(

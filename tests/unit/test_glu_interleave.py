@@ -53,3 +53,23 @@ def test_parameters_interleaved_in_memory_checkpoints_concatenated():
     fresh = TwoExperts()
     fresh.load_state_dict(module.state_dict())
     assert all(torch.equal(fresh.state_dict()[k], other.state_dict()[k]) for k in original)
+
+
+def test_sharded_entry_saves_concatenated_for_params_and_optimizer_states():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from megatron.moe_patches.glu_interleave import concatenated_factory
+
+    param = torch.nn.Parameter(to_interleaved(torch.randn(8, 3), 2))
+    for stock in (ShardedTensor.from_rank_offsets("fc1.weight", param),
+                  apply_swiglu_sharded_factory(ShardedTensor.from_rank_offsets("fc1.weight", param), ())):
+        factory = concatenated_factory(stock, 2)
+        assert factory.data is param  # optimizers find the parameter by identity
+        state = torch.randn(8, 3)  # e.g. exp_avg, interleaved in memory like the parameter
+        built = factory.build_fn("optimizer.state.exp_avg.fc1.weight", state, 0, None)
+        parts = built if isinstance(built, list) else [built]
+        saved = torch.cat([p.data for p in parts])
+        assert torch.equal(saved, to_concatenated(state, 2))
+        loaded = [p.data for p in parts] if isinstance(built, list) else built.data
+        assert torch.equal(factory.merge_fn(loaded), state)

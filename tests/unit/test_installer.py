@@ -157,10 +157,9 @@ def test_native_features_detected_and_not_installed(reverted, monkeypatch):
     for feature_id in ("C0", "F2", "F4", "F5", "F6", "F8"):
         assert rows[feature_id].state == "native", rows[feature_id]
     # Not detectable through config fields: installed, with the native C0 as their base.
-    assert rows["F1"].state == rows["F3"].state == "applied"
-    assert rows["F7"].state == "pending"
+    assert rows["F1"].state == rows["F3"].state == rows["F7"].state == "applied"
     assert tc_module.TransformerConfig is NewerTransformerConfig
-    assert set(installer._applied) == {"F1", "F3"}
+    assert set(installer._applied) == {"F1", "F3", "F7"}
 
 
 def test_native_probe_sees_stock_class_while_applied(reverted):

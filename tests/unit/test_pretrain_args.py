@@ -1,3 +1,4 @@
+import argparse
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,14 @@ def test_optimizer_states_refused_across_glu_interleave():
     other = parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser"])
     with pytest.raises(ValueError, match="--moe-mlp-glu-interleave-size 32 \\(checkpoint\\) vs None"):
         checkpointing.check_optimizer_layout(other, saved)
+
+
+def test_fully_reshardable_optimizer_states_load_across_grouped_layouts():
+    grouped = ["--yaml-cfg", TINY, "--moe-device-tokens-per-expert", "--moe-single-grouped-weight"]
+    indexed = parse_args(["--yaml-cfg", TINY, "--moe-device-tokens-per-expert"])
+    with pytest.raises(ValueError, match="--moe-single-grouped-weight True \\(checkpoint\\)"):
+        checkpointing.check_optimizer_layout(indexed, vars(parse_args(grouped)).copy())  # per-rank buffers
+    saved = vars(parse_args([*grouped, "--dist-ckpt-optim-fully-reshardable"])).copy()
+    checkpointing.check_optimizer_layout(indexed, saved)  # per-expert keys (F7): loads
+    assert checkpointing.optimizer_metadata(parse_args(grouped)) == checkpointing.DP_RESHARDABLE
+    assert checkpointing.optimizer_metadata(argparse.Namespace(**saved)) == checkpointing.FULLY_RESHARDABLE

@@ -1,0 +1,126 @@
+"""F7: optimizer checkpoints of grouped expert parameters, per expert.
+
+A grouped parameter ([E, out, in], F5/F6) appears in the model's sharded state dict only
+as E per-expert entries whose data are views of its rows: that keeps the stock keys, so
+checkpoints load across layouts. megatron-core's optimizers, however, find each
+parameter's checkpoint entry by identity (``entry.data is param``), so a grouped
+parameter has none: the distributed optimizer raises ("Model param ... not in
+model_sharded_state_dict") and the other optimizers skip its state.
+
+``grouped_param_factories`` normalises that map: for every optimizer parameter without
+an entry whose rows are exactly the data of E per-expert entries (matched by storage,
+offset and shape, never by name), it adds one ``ShardedTensorFactory`` over the whole
+parameter that builds those E entries (nested factories such as the SwiGLU split
+included) and stacks them back on load. Optimizer states
+(main params, exp_avg, exp_avg_sq) then go under the stock per-expert keys too, so they
+load into indexed or grouped experts alike. An incomplete or ambiguous set of rows is an
+error naming the parameter; nothing is guessed.
+
+Patches: ``DistributedOptimizer`` (megatron.core.optimizer.distrib_optimizer) is replaced
+by ``GroupedParamDistributedOptimizer``; ``get_param_id_to_sharded_param_map`` (the
+other optimizers' lookup) by ``param_id_to_sharded_param_map``. Grouped *quantized*
+parameters (whose FP8 casting would need whole-group shards) do not exist in this
+version: no expert backend here holds FP8 parameters. Upstream: NVIDIA/Megatron-LM#3890,
+#4324.
+"""
+
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+GROUPED_ENTRIES_KEY = "__grouped_param_factories__"
+
+
+def _row_index(param: torch.Tensor, view: torch.Tensor) -> Optional[int]:
+    """i if ``view`` is exactly row i of ``param`` (same storage, offset, shape, strides)."""
+    if view is None or param.dim() < 2 or view.shape != param.shape[1:] or view.stride() != param.stride()[1:]:
+        return None
+    if view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+        return None
+    row, rest = divmod(view.storage_offset() - param.storage_offset(), param.stride(0))
+    return row if rest == 0 and 0 <= row < param.shape[0] else None
+
+
+def grouped_factory(param: torch.Tensor, rows: List) -> ShardedTensorFactory:
+    """One factory over ``param`` standing for its per-expert entries ``rows`` (row order)."""
+
+    def build(key, data, replica_id, flattened_range):
+        if flattened_range is not None:  # megatron-core 0.16.1's ShardedTensor refuses them too
+            raise ValueError(f"{key}: flattened optimizer shards are not supported; use a "
+                             "fully_reshardable or dp_reshardable distributed-optimizer checkpoint")
+        built = {}
+        for i, (entry, row) in enumerate(zip(rows, data.unbind(0))):
+            if isinstance(entry, ShardedTensorFactory):
+                built[i] = entry.build_fn(key, row, replica_id, None)
+            else:
+                built[i] = replace(entry, key=key, data=row, dtype=row.dtype, replica_id=replica_id)
+        return built
+
+    def merge(loaded: Dict) -> torch.Tensor:
+        return torch.stack([rows[i].merge_fn(loaded[i]) if isinstance(rows[i], ShardedTensorFactory)
+                            else loaded[i] for i in range(len(rows))])
+
+    first = rows[0]
+    return ShardedTensorFactory(first.key, param, build, merge, first.replica_id)
+
+
+def grouped_param_factories(model_sharded_state_dict, params) -> Dict[str, ShardedTensorFactory]:
+    """Factories for the ``params`` that the sharded state dict holds only as per-expert rows."""
+    entries, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    entries = list(nested_values(entries))
+    direct = {id(entry.data) for entry in entries}
+    factories = {}
+    for param in params:
+        if id(param) in direct or param.dim() < 2:
+            continue
+        rows: Dict[int, List] = {}
+        for entry in entries:
+            row = _row_index(param, entry.data)
+            if row is not None:
+                rows.setdefault(row, []).append(entry)
+        if not rows:
+            continue
+        name = rows[min(rows)][0].key
+        if any(len(found) > 1 for found in rows.values()):
+            raise ValueError(f"grouped parameter {name} {tuple(param.shape)}: a row has several checkpoint entries")
+        if sorted(rows) != list(range(param.shape[0])):
+            missing = sorted(set(range(param.shape[0])) - set(rows))
+            raise ValueError(f"grouped parameter {name} {tuple(param.shape)}: no checkpoint entry for rows {missing}")
+        factories[f"{name}#{len(factories)}"] = grouped_factory(param, [rows[i][0] for i in range(param.shape[0])])
+    return factories
+
+
+def _with_grouped_entries(model_sharded_state_dict, params):
+    factories = grouped_param_factories(model_sharded_state_dict, params)
+    if not factories:
+        return model_sharded_state_dict
+    return {**model_sharded_state_dict, GROUPED_ENTRIES_KEY: factories}
+
+
+def param_id_to_sharded_param_map(model_sharded_state_dict, optim_params_iter):
+    """``get_param_id_to_sharded_param_map`` that also maps grouped parameters."""
+    params = list(optim_params_iter)
+    return get_param_id_to_sharded_param_map(_with_grouped_entries(model_sharded_state_dict, params), params)
+
+
+class GroupedParamDistributedOptimizer(DistributedOptimizer):
+    """DistributedOptimizer whose checkpoints hold grouped parameters' states per expert."""
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, sharding_type=None,
+                           metadata=None):
+        params = [p for buffer in self.buffers for p in buffer.param_index_map]
+        model_sharded_state_dict = _with_grouped_entries(model_sharded_state_dict, params)
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type, metadata)
+
+
+def replacements():
+    return [
+        (DistributedOptimizer, GroupedParamDistributedOptimizer),
+        (get_param_id_to_sharded_param_map, param_id_to_sharded_param_map),
+    ]
