@@ -105,10 +105,9 @@ def save(root: str, iteration: int, model, optimizer, scheduler, args) -> str:
 
 def check_optimizer_layout(args: argparse.Namespace, saved: dict) -> None:
     """Refuse, before loading anything, optimizer states saved in another memory layout."""
-    layout_args = OPTIMIZER_LAYOUT_ARGS
-    if saved.get("dist_ckpt_optim_fully_reshardable"):  # per-expert keys: only the interleave bites
-        layout_args = ["moe_mlp_glu_interleave_size"]
-    drift = [name for name in layout_args if name in saved and saved[name] != getattr(args, name, None)]
+    if saved.get("dist_ckpt_optim_fully_reshardable"):
+        return  # states saved per parameter in the checkpoint layout (F7, glu_interleave)
+    drift = [name for name in OPTIMIZER_LAYOUT_ARGS if name in saved and saved[name] != getattr(args, name, None)]
     if drift:
         pairs = ", ".join(f"--{n.replace('_', '-')} {saved[n]} (checkpoint) vs {getattr(args, n, None)} (now)"
                           for n in drift)

@@ -133,5 +133,7 @@ def test_fully_reshardable_optimizer_states_load_across_grouped_layouts():
         checkpointing.check_optimizer_layout(indexed, vars(parse_args(grouped)).copy())  # per-rank buffers
     saved = vars(parse_args([*grouped, "--dist-ckpt-optim-fully-reshardable"])).copy()
     checkpointing.check_optimizer_layout(indexed, saved)  # per-expert keys (F7): loads
+    interleaved = parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32"])
+    checkpointing.check_optimizer_layout(interleaved, saved)  # concatenated layout on disk: loads
     assert checkpointing.optimizer_metadata(parse_args(grouped)) == checkpointing.DP_RESHARDABLE
     assert checkpointing.optimizer_metadata(argparse.Namespace(**saved)) == checkpointing.FULLY_RESHARDABLE
