@@ -18,6 +18,10 @@ from dataclasses import replace
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
+# Set on tensors that concatenated_factory already put back into the interleaved layout, so
+# the module's load hook (the next stop of a distributed model load) leaves them alone.
+MERGED_INTERLEAVED = "_glu_already_interleaved"
+
 
 def _blocks(rows: int, size: int) -> int:
     if rows % (2 * size):
@@ -66,7 +70,8 @@ def interleave_parameters(linear_fc1, size: int) -> None:
 
     def load_interleaved(module, state_dict, prefix, *args):
         for key in _expert_keys(state_dict, prefix):
-            state_dict[key] = to_interleaved(state_dict[key], size)
+            if not getattr(state_dict[key], MERGED_INTERLEAVED, False):  # a distributed load did it
+                state_dict[key] = to_interleaved(state_dict[key], size)
 
     linear_fc1._register_state_dict_hook(save_concatenated)
     linear_fc1._register_load_state_dict_pre_hook(load_interleaved, with_module=True)
@@ -89,6 +94,8 @@ def concatenated_factory(entry, size: int) -> ShardedTensorFactory:
 
     def merge(loaded):
         merged = entry.merge_fn(loaded) if isinstance(entry, ShardedTensorFactory) else loaded
-        return to_interleaved(merged, size)
+        merged = to_interleaved(merged, size)
+        setattr(merged, MERGED_INTERLEAVED, True)
+        return merged
 
     return ShardedTensorFactory(entry.key, entry.data, build, merge, entry.replica_id)

@@ -73,3 +73,26 @@ def test_sharded_entry_saves_concatenated_for_params_and_optimizer_states():
         assert torch.equal(saved, to_concatenated(state, 2))
         loaded = [p.data for p in parts] if isinstance(built, list) else built.data
         assert torch.equal(factory.merge_fn(loaded), state)
+
+
+def test_distributed_load_path_interleaves_exactly_once():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron.moe_patches.glu_interleave import concatenated_factory
+
+    module = TwoExperts()
+    standard = {k: v.clone() for k, v in module.state_dict().items()}
+    interleave_parameters(module, 2)
+    live = dict(module.state_dict(keep_vars=True))  # what sharded_state_dict wraps
+    assert all(live[k] is p for k, p in module.named_parameters())
+    # Save: the factory writes the concatenated layout; load: merge, then load_state_dict.
+    on_disk, loaded = {}, {}
+    for key, param in live.items():
+        factory = concatenated_factory(ShardedTensor.from_rank_offsets(key, param), 2)
+        on_disk[key] = factory.build_fn(key, param.detach(), 0, None).data
+        loaded[key] = factory.merge_fn(on_disk[key].clone())
+    assert all(torch.equal(on_disk[k], standard[k]) for k in standard)
+    fresh = TwoExperts()
+    interleave_parameters(fresh, 2)
+    fresh.load_state_dict(loaded)
+    assert all(torch.equal(p, dict(module.named_parameters())[n]) for n, p in fresh.named_parameters())
