@@ -138,3 +138,18 @@ def test_ddp_dp2_main_grads_match(tmp_path):
     assert len(results) == 8
     for r in results:
         assert r["used_pipeline"] and r["max_rel"] <= TOLERANCE["bf16"], r
+
+
+def test_single_grouped_weight_with_op_fuser_is_refused_by_requirement(single_gpu):
+    from megatron.moe_patches import apply
+
+    import megatron.core.transformer.transformer_config as tc_module
+
+    apply()
+    try:
+        config = tc_module.TransformerConfig(**kwargs_for("swiglu"), use_transformer_engine_op_fuser=True,
+                                             moe_single_grouped_weight=True)
+        with pytest.raises(ValueError, match="cuBLASLt >= 13.4"):
+            build_moe_layer(config)
+    finally:
+        revert()
