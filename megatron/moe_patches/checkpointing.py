@@ -31,9 +31,11 @@ MODEL_ARGS = [
 OPTIMIZER_LAYOUT_ARGS = ["moe_mlp_glu_interleave_size", "moe_single_grouped_weight", "moe_single_grouped_bias"]
 # Distributed-optimizer state formats: per-DP-rank flat buffers (survive a DP change), or
 # per parameter under the model's keys (survive DP/EP and expert-layout changes; F7 maps
-# grouped parameters to their per-expert keys).
+# grouped parameters to their per-expert keys). megatron-core builds one optimizer at EP=1
+# but a ChainedOptimizer (dense + expert) at EP>1, which prefixes keys with "chained_N."
+# unless told not to: per-parameter keys need no prefix, so EP sizes share them.
 DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
-FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
+FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def optimizer_metadata(args) -> dict:

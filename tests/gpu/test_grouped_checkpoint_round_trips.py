@@ -118,10 +118,6 @@ def test_layout_round_trip_keeps_every_tensor(single_gpu, trained, tmp_path, x, 
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs (nvidia-h200-x2)")
-@pytest.mark.xfail(strict=True, reason=(
-    "megatron-core 0.16.1 builds one optimizer at EP=1 and a ChainedOptimizer (dense + expert) at "
-    "EP>1, whose checkpoint keys gain a 'chained_N.' prefix: an EP=1 checkpoint's optimizer states "
-    "are not found at EP=2 (KeyError 'chained_0.optimizer.state.param...'; H200x2, 2026-11-21)"))
 @pytest.mark.parametrize("layout", ["te", "grouped"])
 def test_ep1_ep2_ep1_round_trip(single_gpu, tmp_path, layout):
     torchrun = ("torchrun", "--nproc-per-node", "2")

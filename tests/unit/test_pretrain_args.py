@@ -137,3 +137,5 @@ def test_fully_reshardable_optimizer_states_load_across_grouped_layouts():
     checkpointing.check_optimizer_layout(interleaved, saved)  # concatenated layout on disk: loads
     assert checkpointing.optimizer_metadata(parse_args(grouped)) == checkpointing.DP_RESHARDABLE
     assert checkpointing.optimizer_metadata(argparse.Namespace(**saved)) == checkpointing.FULLY_RESHARDABLE
+    # Per-parameter keys must not depend on EP (megatron-core chains optimizers at EP > 1).
+    assert checkpointing.FULLY_RESHARDABLE["chained_optim_avoid_prefix"] is True
