@@ -108,7 +108,7 @@ class OpFuserTEGroupedMLP(BackendTEGroupedMLP):
         if hasattr(self, "quantization_padding") and not self.skips_quantization_padding:
             from transformer_engine.pytorch import Fp8Padding, Fp8Unpadding
 
-            align = quantization_alignment(config)  # the op fuser's 256 rows
+            align = quantization_alignment(config)  # 256 where TE fuses the MLP, else the recipe's
             self.quantization_padding = Fp8Padding(num_local_experts, align_size=align)
             self.quantization_unpadding = Fp8Unpadding(num_local_experts, align_size=align)
         self.glu_interleave_size = patch_option(config, "moe_mlp_glu_interleave_size")
