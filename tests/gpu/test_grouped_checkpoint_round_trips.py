@@ -25,10 +25,11 @@ LAYOUTS = {
     "grouped": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight"],  # one [E, out, in]
     "op_fuser": ["--use-transformer-engine-op-fuser"],
     "interleave": ["--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32"],
+    "sequential": [],  # SequentialMLP: the tiny recipe without --moe-grouped-gemm (see recipe_for)
 }
 # (X, Y, next-step losses bitwise equal): equal where both layouts run the same kernels.
 PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuser", False),
-         ("op_fuser", "interleave", False)]
+         ("op_fuser", "interleave", False), ("grouped", "sequential", False)]
 LOSS_RTOL = 0.02  # other kernels (bf16 rounding) one step after a bitwise-equal state
 
 
@@ -40,9 +41,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def recipe_for(layout, workdir):
+    """The tiny recipe; SequentialMLP needs it without moe-grouped-gemm (a store_true flag)."""
+    if layout != "sequential":
+        return []
+    text = (ROOT / "examples/recipes/tiny-moe.yaml").read_text()
+    recipe = Path(workdir) / "tiny-moe-sequential.yaml"
+    recipe.write_text("\n".join(l for l in text.splitlines() if not l.startswith("moe-grouped-gemm:")) + "\n")
+    return ["--yaml-cfg", str(recipe)]
+
+
 def pretrain(layout, iters, save, load=None, launcher=("python",), extra=()):
-    cmd = [*launcher, "pretrain_gpt.py", *BASE, *LAYOUTS[layout], "--train-iters", str(iters),
-           "--save", str(save), *extra]
+    cmd = [*launcher, "pretrain_gpt.py", *BASE, *LAYOUTS[layout], *recipe_for(layout, Path(save).parent),
+           "--train-iters", str(iters), "--save", str(save), *extra]
     if launcher == ("python",):
         cmd[0] = sys.executable
     else:
