@@ -1,6 +1,12 @@
 """GPU tests (skipped without CUDA and TE: see tests/conftest.py)."""
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# Test modules and torchrun workers import their shared helpers from this folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session")

@@ -2,30 +2,23 @@
 experts vs F8 + grouped_mm, identical weights and inputs; also counts the host syncs that
 torch's sync debug mode sees in one forward+backward (the all-to-all split sizes need one)."""
 
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_checks import finish_worker, max_rel_error, start_worker  # noqa: E402  (this folder: sys.path[0])
 
 
 def main(out_path):
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    rank = start_worker(expert_model_parallel_size=2)
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.harness import forward_backward
-    from test_device_splits import kwargs_for, max_rel_error, run
+    from test_device_splits import kwargs_for, run
 
     results = []
     for experts, topk, tokens in ((16, 2, 1000), (64, 8, 777)):
@@ -49,12 +42,7 @@ def main(out_path):
         results.append(dict(rank=rank, case=[experts, topk, tokens], backend=layer.experts.backend,
                             bitwise=all(torch.equal(stock[n], patched[n]) for n in stock),
                             max_rel=max(errors.values()), host_syncs=len(syncs), where=syncs[:4]))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(results, out_path)
 
 
 if __name__ == "__main__":

@@ -2,29 +2,19 @@
 explicit padding vs F1's fused permute+pad, identical weights and inputs; rank 0 writes
 every rank's comparison to argv[1]."""
 
-import json
-import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gpu_checks import finish_worker, start_worker  # noqa: E402  (this folder: sys.path[0])
 
 
 def main(out_path):
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    rank = start_worker(expert_model_parallel_size=2)
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.harness import MoEShape, moe_config_kwargs
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_fused_permute_pad import compare, run_layer
 
     results = []
@@ -45,12 +35,7 @@ def main(out_path):
                 expert_wgrads=compare(stock, patched, [n for n in stock if "experts." in n]),
             )
         )
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(results, out_path)
 
 
 if __name__ == "__main__":

@@ -59,14 +59,6 @@ def step(model, layer, hidden, grad):
     return output.detach(), hidden.grad
 
 
-def max_rel_error(reference, candidate):
-    worst = {}
-    for name in reference:
-        a, b = reference[name].float(), candidate[name].float()
-        worst[name] = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
-    return worst
-
-
 def ddp_main_grads(kwargs, fused, tokens, seed, distributed_optimizer=False, interleave=None, delay=True):
     """Megatron DDP (overlap_grad_reduce, delayed wgrad) over one MoE layer: every param's
     main_grad after one step and the grad sync, in the checkpoint layout."""

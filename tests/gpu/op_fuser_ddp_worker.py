@@ -2,28 +2,19 @@
 and delayed wgrad, reduce-scatter (distributed optimizer) and all-reduce; main grads of the
 op-fuser experts vs the unfused TE experts, different data on each rank."""
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_checks import finish_worker, max_rel_error, start_worker  # noqa: E402  (this folder: sys.path[0])
 
 
 def main(out_path):
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
-    from op_fuser_cases import ddp_main_grads, kwargs_for, max_rel_error
+    rank = start_worker()
+    from op_fuser_cases import ddp_main_grads, kwargs_for
 
     results = []
     # The distributed optimizer reduce-scatters flat buffers: which elements a rank owns
@@ -40,12 +31,7 @@ def main(out_path):
                                 interleave=interleave, used_pipeline=used, max_rel=max(errors.values()),
                                 worst=max(errors, key=errors.get),
                                 bitwise=all(torch.equal(reference[n], fused[n]) for n in reference)))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(results, out_path)
 
 
 if __name__ == "__main__":

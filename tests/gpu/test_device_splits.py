@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
+from gpu_checks import max_rel_error, run_two_gpu_worker
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches import expert_backends as eb
@@ -36,14 +37,6 @@ def run(config, tokens, seed=5):
     tensors = {"output": output, "input_grad": input_grad}
     tensors.update({f"grad:{n}": p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None})
     return layer, tensors
-
-
-def max_rel_error(stock, patched):
-    worst = {}
-    for name in stock:
-        a, b = stock[name].float(), patched[name].float()
-        worst[name] = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
-    return worst
 
 
 CASES = [  # activation, experts, topk, tokens
@@ -201,16 +194,5 @@ def test_grouped_mm_padded_rows_cost_nothing_and_change_nothing(single_gpu):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs (nvidia-h200-x2)")
 def test_ep2_device_splits_match_stock(tmp_path):
-    import os
-    import subprocess
-    from pathlib import Path
-
-    out = tmp_path / "ep2.json"
-    worker = Path(__file__).resolve().parent / "ep_device_splits_worker.py"
-    run = subprocess.run(["torchrun", "--nproc-per-node", "2", str(worker), str(out)],
-                         capture_output=True, text=True, env=dict(os.environ), timeout=400)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    results = json.loads(out.read_text())
-    print(json.dumps(results))
-    for result in results:
+    for result in run_two_gpu_worker("ep_device_splits_worker.py", tmp_path):
         assert result["backend"] == eb.GROUPED_MM and result["max_rel"] <= TOLERANCE, result

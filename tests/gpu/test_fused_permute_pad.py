@@ -2,14 +2,12 @@
 megatron-core MoE layer with the fused path against the stock explicit-padding path."""
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
+from gpu_checks import run_two_gpu_worker
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches.fused_permute_pad import (
     permute_and_pad,
@@ -18,8 +16,6 @@ from megatron.moe_patches.fused_permute_pad import (
     unpermute_and_unpad,
 )
 from megatron.moe_patches.harness import MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
-
-ROOT = Path(__file__).resolve().parent
 
 
 def random_routing(num_tokens, num_experts, topk, seed, empty_experts=0):
@@ -155,13 +151,7 @@ def test_moe_layer_fused_matches_stock(single_gpu, precision, dispatcher, expert
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs (nvidia-h200-x2)")
 def test_ep2_alltoall_fused_matches_stock(tmp_path):
-    out = tmp_path / "ep2.json"
-    cmd = ["torchrun", "--nproc-per-node", "2", str(ROOT / "ep_fused_permute_pad_worker.py"), str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=400)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    results = json.loads(out.read_text())
-    print(json.dumps(results))
-    for rank_result in results:
+    for rank_result in run_two_gpu_worker("ep_fused_permute_pad_worker.py", tmp_path):
         assert rank_result["fused"], rank_result
         assert rank_result["activations"]["bitwise"], json.dumps(rank_result)
         assert rank_result["expert_wgrads"]["max_rel"] <= WGRAD_REORDER_TOLERANCE, json.dumps(rank_result)

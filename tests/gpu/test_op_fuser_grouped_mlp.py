@@ -2,27 +2,14 @@
 SequentialMLP, identical weights and inputs; delayed wgrad; Megatron DDP main grads."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from gpu_checks import max_rel_error, run_two_gpu_worker
+from op_fuser_cases import ddp_main_grads, inputs, kwargs_for, make_config, standard_layout, step
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from op_fuser_cases import (  # noqa: E402
-    ddp_main_grads,
-    inputs,
-    kwargs_for,
-    make_config,
-    max_rel_error,
-    standard_layout,
-    step,
-)
-
-from megatron.moe_patches import revert  # noqa: E402
-from megatron.moe_patches.harness import build_moe_layer  # noqa: E402
+from megatron.moe_patches import revert
+from megatron.moe_patches.harness import build_moe_layer
 
 # Tolerances, relative to each tensor's largest magnitude. The GEMMs are the same cuBLAS
 # grouped GEMMs; the GLU differs: TE's scaled GLU kernel rounds the router probs to bf16
@@ -128,13 +115,7 @@ def test_ddp_delayed_wgrad_main_grads_match(single_gpu, gradient_accumulation_fu
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DP=2 needs 2 GPUs (nvidia-h200-x2)")
 def test_ddp_dp2_main_grads_match(tmp_path):
-    out = tmp_path / "dp2.json"
-    worker = Path(__file__).resolve().parent / "op_fuser_ddp_worker.py"
-    result = subprocess.run(["torchrun", "--nproc-per-node", "2", str(worker), str(out)],
-                            capture_output=True, text=True, env=dict(os.environ), timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    results = json.loads(out.read_text())
-    print(json.dumps(results))
+    results = run_two_gpu_worker("op_fuser_ddp_worker.py", tmp_path)
     assert len(results) == 8
     for r in results:
         assert r["used_pipeline"] and r["max_rel"] <= TOLERANCE["bf16"], r

@@ -1,0 +1,54 @@
+"""What the GPU tests and their torchrun workers share: the error measure, and the
+two-GPU plumbing (launch a worker, start its process group, gather its results)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def max_rel_error(reference, candidate):
+    """Per tensor name: max |difference| relative to the reference tensor's largest magnitude."""
+    worst = {}
+    for name in reference:
+        a, b = reference[name].float(), candidate[name].float()
+        worst[name] = (a - b).abs().max().item() / max(a.abs().max().item(), 1e-30)
+    return worst
+
+
+def run_two_gpu_worker(worker: str, tmp_path) -> list:
+    """Run ``tests/gpu/<worker>`` on 2 GPUs; return the results every rank gathered."""
+    out = Path(tmp_path) / f"{Path(worker).stem}.json"
+    cmd = ["torchrun", "--nproc-per-node", "2", str(Path(__file__).resolve().parent / worker), str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    results = json.loads(out.read_text())
+    print(json.dumps(results))
+    return results
+
+
+def start_worker(expert_model_parallel_size: int = 1) -> int:
+    """In a torchrun worker: process group, megatron-core parallel state, seeds; the rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_model_parallel_size)
+    model_parallel_cuda_manual_seed(1234)
+    return dist.get_rank()
+
+
+def finish_worker(results: list, out_path) -> None:
+    """Gather every rank's results into ``out_path`` (written by rank 0) and shut down."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps([r for per_rank in gathered for r in per_rank]))
+    dist.barrier()
+    dist.destroy_process_group()
