@@ -10,7 +10,7 @@ and always for on/off flags (a store_true default is never "unset").
 
 import argparse
 import os
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from megatron.moe_patches.arguments import restore_args_from_checkpoint
 
@@ -119,6 +119,81 @@ def check_optimizer_layout(args: argparse.Namespace, saved: dict) -> None:
         )
 
 
+def _sharded_tensors(tree) -> Iterator:
+    """Every ShardedTensor in a sharded state dict, factories built (F4/F7 ones nest)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for value in nested_values([tree]):
+        if isinstance(value, ShardedTensorFactory):
+            yield from _sharded_tensors(value.build())
+        elif isinstance(value, ShardedTensor):
+            yield value
+
+
+def _overlap(offsets_a, sizes_a, offsets_b, sizes_b) -> int:
+    volume = 1
+    for oa, sa, ob, sb in zip(offsets_a, sizes_a, offsets_b, sizes_b):
+        volume *= max(0, min(oa + sa, ob + sb) - max(oa, ob))
+    return volume
+
+
+def uncovered_tensors(sharded_state_dict, metadata) -> List[str]:
+    """What a torch_dist checkpoint (its DCP ``metadata``) cannot fill in ``sharded_state_dict``.
+
+    torch DCP reads the saved chunks that overlap each target and leaves the rest of the
+    target as it was: a checkpoint missing one expert's chunk would load "successfully"
+    with that expert still at its initial weights. So every ShardedTensor must find its
+    key, its global shape, and its whole local region among the saved chunks (saved chunks
+    never overlap, so covered volume = local volume means fully covered).
+    """
+    problems = []
+    for tensor in _sharded_tensors(sharded_state_dict):
+        saved = metadata.state_dict_metadata.get(tensor.key)
+        if saved is None or not hasattr(saved, "chunks"):
+            problems.append(f"{tensor.key}: not in the checkpoint")
+            continue
+        if tuple(saved.size) != tuple(tensor.global_shape) and not tensor.allow_shape_mismatch:
+            problems.append(f"{tensor.key}: shape {tuple(saved.size)} in the checkpoint, {tuple(tensor.global_shape)} in the model")
+            continue
+        if tensor.flattened_range is not None or tensor.allow_shape_mismatch:
+            continue  # regions not expressible as one box; DCP and megatron-core check these
+        offsets = tuple(tensor.global_offset)
+        sizes = (1,) * tensor.prepend_axis_num + tuple(tensor.local_shape)
+        volume = 1
+        for size in sizes:
+            volume *= size
+        covered = sum(_overlap(offsets, sizes, c.offsets, c.sizes) for c in saved.chunks)
+        if covered != volume:
+            problems.append(f"{tensor.key}: the region at offset {offsets} of size {sizes} is "
+                            f"{volume - covered} of {volume} elements short in the checkpoint")
+    return problems
+
+
+class IncompleteCheckpointError(RuntimeError):
+    pass
+
+
+def check_checkpoint_covers(sharded_state_dict, path: str) -> None:
+    """Refuse, on every rank and before anything is read, a checkpoint that cannot fill the model."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+
+    problems = uncovered_tensors(sharded_state_dict, FileSystemReader(path).read_metadata())
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, problems)
+        problems = sorted({p for rank_problems in per_rank for p in rank_problems})
+    if problems:
+        shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} does not match this model; nothing was loaded:\n  {shown}\n"
+            "Check that --load points at a checkpoint of this model (same --num-experts, hidden sizes) "
+            "and that the save finished."
+        )
+
+
 def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> int:
     """Load the newest checkpoint under ``root``; returns its iteration."""
     from megatron.core import dist_checkpointing
@@ -131,7 +206,9 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     check_optimizer_layout(args, saved)
     # The checkpoint's format decides how its optimizer states are read.
     layout = argparse.Namespace(dist_ckpt_optim_fully_reshardable=saved.get("dist_ckpt_optim_fully_reshardable", False))
-    loaded = dist_checkpointing.load(_state(model, optimizer, scheduler, iteration, layout, loading=True), path)
+    state = _state(model, optimizer, scheduler, iteration, layout, loading=True)
+    check_checkpoint_covers(state, path)
+    loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     common = dist_checkpointing.load_common_state_dict(path)

@@ -235,7 +235,9 @@ def _log_line(args, iteration, elapsed, lr, loss, grad_norm, started):
     )
 
 
-def pretrain(args: argparse.Namespace) -> None:
+def setup(args: argparse.Namespace):
+    """Process groups, the patch set, model and optimizer for ``args``:
+    (unwrapped GPTModel, DDP model, optimizer, LR scheduler)."""
     initialize(args)
     if args.use_checkpoint_args:
         taken = checkpointing.restore_args(args, checkpointing.saved_args(args.load))
@@ -243,9 +245,7 @@ def pretrain(args: argparse.Namespace) -> None:
     check_args(args, world_size=dist.get_world_size())
 
     import megatron.core.transformer.transformer_config as tc_module
-    from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.moe_patches import apply
 
@@ -261,7 +261,14 @@ def pretrain(args: argparse.Namespace) -> None:
         config.grad_sync_func = model.start_grad_sync
     params = sum(p.numel() for p in gpt.parameters())
     _print_rank0(f"model: {params / 1e6:.1f} M parameters on this rank | world size {dist.get_world_size()}")
+    return gpt, model, optimizer, scheduler
 
+
+def pretrain(args: argparse.Namespace) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    gpt, model, optimizer, scheduler = setup(args)
     iteration = 0
     if args.load and checkpointing.latest_iteration(args.load) is not None:
         iteration = checkpointing.load(args.load, gpt, optimizer, scheduler, args)

@@ -7,7 +7,9 @@ ckpt-resume functional case shows resuming is exact)."""
 
 import json
 import os
+import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +53,7 @@ def recipe_for(layout, workdir):
     return ["--yaml-cfg", str(recipe)]
 
 
-def pretrain(layout, iters, save, load=None, launcher=("python",), extra=()):
+def pretrain(layout, iters, save, load=None, launcher=("python",), extra=(), expect_failure=False):
     cmd = [*launcher, "pretrain_gpt.py", *BASE, *LAYOUTS[layout], *recipe_for(layout, Path(save).parent),
            "--train-iters", str(iters), "--save", str(save), *extra]
     if launcher == ("python",):
@@ -62,6 +64,9 @@ def pretrain(layout, iters, save, load=None, launcher=("python",), extra=()):
         cmd += ["--load", str(load)]
     env = dict(os.environ, MASTER_PORT=str(free_port()))  # this process holds its own port
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    if expect_failure:
+        assert run.returncode != 0, run.stdout[-2000:]
+        return run.stdout + run.stderr
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     losses = {int(m.group(1)): float(m.group(2))
               for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)", run.stdout)}
@@ -128,6 +133,53 @@ def test_layout_round_trip_keeps_every_tensor(single_gpu, trained, tmp_path, x, 
         assert abs(y_next - x_next) <= LOSS_RTOL * abs(x_next)
 
 
+FC1, FC2 = (f"decoder.layers.0.mlp.experts.linear_fc{i}.weight" for i in (1, 2))
+
+
+def damaged_copy(a_root, dest, damage):
+    """Copy checkpoint A, then damage its DCP metadata: drop expert 3's chunk of FC1
+    ("missing_expert") or widen FC2 by one column ("mis_shaped"). Returns the damaged key."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(a_root, dest)
+    path = dest / f"iter_{STEPS:07d}"
+    metadata = FileSystemReader(str(path)).read_metadata()
+    entries = metadata.state_dict_metadata
+    key = FC1 if damage == "missing_expert" else FC2
+    assert key in entries, sorted(k for k in entries if ".experts." in k)[:8]
+    if damage == "missing_expert":
+        kept = [chunk for chunk in entries[key].chunks if chunk.offsets[0] != 3]
+        assert len(kept) == len(entries[key].chunks) - 1, entries[key].chunks
+        entries[key].chunks = kept
+    else:
+        entries[key].size = torch.Size([*entries[key].size[:-1], entries[key].size[-1] + 1])
+    with open(path / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    return key
+
+
+@pytest.mark.parametrize("layout", ["te", "grouped"])
+def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, trained, tmp_path, layout):
+    a_root, _ = trained(layout)
+    missing, mis_shaped = tmp_path / "missing_expert", tmp_path / "mis_shaped"
+    keys = [damaged_copy(a_root, missing, "missing_expert"), damaged_copy(a_root, mis_shaped, "mis_shaped")]
+    out = tmp_path / "outcomes.json"
+    worker = Path(__file__).resolve().parent / "damaged_checkpoint_worker.py"
+    # the intact checkpoint last: it must load and change the model, or "unchanged" proves nothing
+    cmd = [sys.executable, str(worker), str(out), str(missing), str(mis_shaped), str(a_root), "--",
+           *BASE, *LAYOUTS[layout], "--train-iters", str(STEPS)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, MASTER_PORT=str(free_port())))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    outcomes = json.loads(out.read_text())
+    print(json.dumps({"layout": layout, "outcomes": outcomes}))
+    (missing_outcome, mis_shaped_outcome, intact) = outcomes
+    assert missing_outcome["error"] and f"{keys[0]}: the region at offset (3, 0, 0)" in missing_outcome["error"]
+    assert mis_shaped_outcome["error"] and f"{keys[1]}: shape" in mis_shaped_outcome["error"]
+    assert missing_outcome["unchanged"] and mis_shaped_outcome["unchanged"]
+    assert intact["error"] is None and not intact["unchanged"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs (nvidia-h200-x2)")
 @pytest.mark.parametrize("layout", ["te", "grouped"])
 def test_ep1_ep2_ep1_round_trip(single_gpu, tmp_path, layout):
@@ -140,3 +192,8 @@ def test_ep1_ep2_ep1_round_trip(single_gpu, tmp_path, layout):
     print(json.dumps({"layout": layout, "tensors": len(a), "a_vs_b": len(differences(a, b)),
                       "a_vs_c": len(differences(a, c))}))
     assert differences(a, b) == [] and differences(a, c) == []
+    # Expert 3 lives on EP rank 0 only: rank 1 must refuse too (or it would wait in the load forever).
+    key = damaged_copy(tmp_path / "B", tmp_path / "B-damaged", "missing_expert")
+    log = pretrain(layout, STEPS, tmp_path / "E", load=tmp_path / "B-damaged", launcher=torchrun,
+                   extra=["--expert-model-parallel-size", "2"], expect_failure=True)
+    assert log.count(f"{key}: the region at offset (3, 0, 0)") >= 2, log[-3000:]  # named on both ranks

@@ -1,0 +1,125 @@
+"""A torch_dist checkpoint must fill every ShardedTensor of the model, or nothing loads
+(checkpointing.uncovered_tensors / check_checkpoint_covers). Real megatron-core
+ShardedTensors and real torch DCP metadata; the GPU test does it with pretrain_gpt.py's model."""
+
+import argparse
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from megatron.core.dist_checkpointing import ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from megatron.moe_patches import checkpointing  # noqa: E402
+from megatron.moe_patches.checkpointing import IncompleteCheckpointError, uncovered_tensors  # noqa: E402
+
+KEY = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+E, OUT, IN = 4, 2, 3
+
+
+def per_expert(key=KEY, experts=range(E)):
+    """Stock TE grouped experts: one ShardedTensor per expert under one key, expert axis prepended."""
+    return [ShardedTensor.from_rank_offsets(key, torch.randn(OUT, IN), (0, e, E), replica_id=0,
+                                              prepend_axis_num=1) for e in experts]
+
+
+def grouped(key=KEY):
+    return ShardedTensor.from_rank_offsets(key, torch.randn(E, OUT, IN), replica_id=0)
+
+
+def saved(chunks, size=(E, OUT, IN), key=KEY):
+    """DCP metadata of one tensor saved as ``chunks`` [(offsets, sizes)]."""
+    storage = TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32),
+        size=torch.Size(size),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks],
+    )
+    return Metadata(state_dict_metadata={key: storage})
+
+
+PER_EXPERT_CHUNKS = [((e, 0, 0), (1, OUT, IN)) for e in range(E)]
+
+
+def test_complete_checkpoints_pass_in_every_layout():
+    assert uncovered_tensors({"model": per_expert()}, saved(PER_EXPERT_CHUNKS)) == []
+    assert uncovered_tensors({"model": grouped()}, saved(PER_EXPERT_CHUNKS)) == []  # grouped from indexed
+    assert uncovered_tensors({"model": per_expert()}, saved([((0, 0, 0), (E, OUT, IN))])) == []
+    # EP=2 rank 1 holds experts 2, 3 only
+    assert uncovered_tensors({"model": per_expert(experts=[2, 3])}, saved(PER_EXPERT_CHUNKS[2:])) == []
+
+
+def test_missing_expert_chunk_is_named_with_its_region():
+    problems = uncovered_tensors({"model": per_expert()}, saved(PER_EXPERT_CHUNKS[:2] + PER_EXPERT_CHUNKS[3:]))
+    assert len(problems) == 1
+    assert KEY in problems[0] and "(2, 0, 0)" in problems[0] and f"{OUT * IN} of {OUT * IN}" in problems[0]
+    # A grouped parameter misses the same expert's rows
+    problems = uncovered_tensors({"model": grouped()}, saved(PER_EXPERT_CHUNKS[:2] + PER_EXPERT_CHUNKS[3:]))
+    assert len(problems) == 1 and f"{OUT * IN} of {E * OUT * IN}" in problems[0]
+
+
+def test_missing_key_and_mis_shaped_tensor_are_named():
+    other = "decoder.layers.0.mlp.experts.linear_fc2.weight"
+    problems = uncovered_tensors({"a": per_expert(), "b": per_expert(key=other)}, saved(PER_EXPERT_CHUNKS))
+    assert problems == [f"{other}: not in the checkpoint"] * E
+    problems = uncovered_tensors({"model": grouped()}, saved(PER_EXPERT_CHUNKS, size=(E, OUT + 1, IN)))
+    assert problems == [f"{KEY}: shape ({E}, {OUT + 1}, {IN}) in the checkpoint, ({E}, {OUT}, {IN}) in the model"]
+
+
+def test_factories_are_built_and_checked():
+    def build(key, tensor, replica_id, flattened_range):
+        return {"rows": per_expert(key=key)}
+
+    factory = ShardedTensorFactory(KEY, torch.zeros(1), build, lambda sub: sub, replica_id=0)
+    assert uncovered_tensors({"model": factory}, saved(PER_EXPERT_CHUNKS)) == []
+    assert len(uncovered_tensors({"model": factory}, saved(PER_EXPERT_CHUNKS[1:]))) == 1
+
+
+def _rewrite_metadata(path, change):
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    change(metadata.state_dict_metadata)
+    with open(path / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+
+
+class _Stateful:
+    """Model, optimizer or scheduler stand-in: load_state_dict takes anything."""
+
+    def sharded_state_dict(self):
+        return {"w": per_expert()}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_load_refuses_a_damaged_checkpoint_before_reading(tmp_path, monkeypatch):
+    """checkpointing.load on a real DCP checkpoint whose metadata lost a key: it raises naming
+    the key and never calls dist_checkpointing.load (wiring; the GPU test checks the model)."""
+    from megatron.core import dist_checkpointing
+
+    path = tmp_path / "iter_0000004"
+    dcp.save({KEY: torch.randn(E, OUT, IN)}, checkpoint_id=str(path), no_dist=True)
+    (tmp_path / checkpointing.TRACKER).write_text("4")
+    reads = []
+    common = {"args": {}, "iteration": 4, "opt_param_scheduler": {}}
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda p: common)
+    monkeypatch.setattr(dist_checkpointing, "load", lambda state, p: reads.append(p) or state)
+    monkeypatch.setattr(checkpointing, "_state", lambda model, *rest, loading: {"model": model.sharded_state_dict(), "optimizer": {}})
+
+    def load():
+        return checkpointing.load(str(tmp_path), _Stateful(), _Stateful(), _Stateful(), argparse.Namespace())
+
+    assert load() == 4 and len(reads) == 1  # intact: read
+    _rewrite_metadata(path, lambda md: md.update({"renamed": md.pop(KEY)}))
+    with pytest.raises(IncompleteCheckpointError, match="nothing was loaded") as refused:
+        load()
+    assert f"{KEY}: not in the checkpoint" in str(refused.value) and len(reads) == 1
