@@ -1,6 +1,7 @@
 """One rank: build pretrain_gpt.py's model and optimizer, then try to load each checkpoint
-root given; record the error (if any) and whether the model's parameters, fp32 main params
-and Adam states are bitwise what they were before the attempt.
+root given, in order; record the error (if any) and whether the model's parameters, fp32
+main params and Adam states are bitwise what they were before the attempt. (Load an intact
+checkpoint first: megatron-core allocates Adam states, uninitialized, on a first load.)
 
     python damaged_checkpoint_worker.py OUT.json ROOT [ROOT ...] -- <pretrain_gpt.py args>
 """
@@ -14,13 +15,17 @@ from megatron.moe_patches import checkpointing, training
 from megatron.moe_patches.pretrain import parse_args
 
 
+def _bits(tensor):
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8).clone()
+
+
 def snapshot(gpt, optimizer):
-    tensors = [p.detach().clone() for p in gpt.parameters()]
+    tensors = [_bits(p) for p in gpt.parameters()]
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in opt.optimizer.param_groups:
             for main_param in group["params"]:
-                tensors.append(main_param.detach().clone())
-                tensors += [v.clone() for v in opt.optimizer.state.get(main_param, {}).values() if torch.is_tensor(v)]
+                tensors.append(_bits(main_param))
+                tensors += [_bits(v) for v in opt.optimizer.state.get(main_param, {}).values() if torch.is_tensor(v)]
     return tensors
 
 

@@ -133,12 +133,14 @@ def test_layout_round_trip_keeps_every_tensor(single_gpu, trained, tmp_path, x, 
         assert abs(y_next - x_next) <= LOSS_RTOL * abs(x_next)
 
 
-FC1, FC2 = (f"decoder.layers.0.mlp.experts.linear_fc{i}.weight" for i in (1, 2))
+# megatron-core stacks the layers: one key per expert FC, shape [layers, experts, out, in]
+FC1, FC2 = (f"decoder.layers.mlp.experts.experts.linear_fc{i}.weight" for i in (1, 2))
 
 
 def damaged_copy(a_root, dest, damage):
-    """Copy checkpoint A, then damage its DCP metadata: drop expert 3's chunk of FC1
-    ("missing_expert") or widen FC2 by one column ("mis_shaped"). Returns the damaged key."""
+    """Copy checkpoint A, then damage its DCP metadata: drop layer 0 expert 3's first chunk of FC1
+    ("missing_expert") or widen FC2 by one column ("mis_shaped"). Returns the text the
+    refusal must contain: the key, and for a missing chunk its offset."""
     from torch.distributed.checkpoint import FileSystemReader
 
     shutil.copytree(a_root, dest)
@@ -146,38 +148,45 @@ def damaged_copy(a_root, dest, damage):
     metadata = FileSystemReader(str(path)).read_metadata()
     entries = metadata.state_dict_metadata
     key = FC1 if damage == "missing_expert" else FC2
-    assert key in entries, sorted(k for k in entries if ".experts." in k)[:8]
+    assert key in entries, sorted(k for k in entries if ".experts." in k and "_extra_state" not in k)
     if damage == "missing_expert":
-        kept = [chunk for chunk in entries[key].chunks if chunk.offsets[0] != 3]
-        assert len(kept) == len(entries[key].chunks) - 1, entries[key].chunks
-        entries[key].chunks = kept
+        chunks = entries[key].chunks
+        dropped = min((c for c in chunks if tuple(c.offsets[:2]) == (0, 3)), key=lambda c: tuple(c.offsets))
+        entries[key].chunks = [c for c in chunks if c is not dropped]  # SwiGLU FC1: its gate half
+        expected = f"{key}: the region at offset {tuple(dropped.offsets)}"
     else:
         entries[key].size = torch.Size([*entries[key].size[:-1], entries[key].size[-1] + 1])
+        expected = f"{key}: shape {tuple(entries[key].size)} in the checkpoint"
     with open(path / ".metadata", "wb") as handle:
         pickle.dump(metadata, handle)
-    return key
+    return expected
 
 
 @pytest.mark.parametrize("layout", ["te", "grouped"])
 def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, trained, tmp_path, layout):
     a_root, _ = trained(layout)
     missing, mis_shaped = tmp_path / "missing_expert", tmp_path / "mis_shaped"
-    keys = [damaged_copy(a_root, missing, "missing_expert"), damaged_copy(a_root, mis_shaped, "mis_shaped")]
+    expected = [damaged_copy(a_root, missing, "missing_expert"), damaged_copy(a_root, mis_shaped, "mis_shaped")]
+    later = tmp_path / "A-next"  # A's own root, pointing at its last save (step STEPS + 1)
+    shutil.copytree(a_root, later)
+    (later / "latest_checkpointed_iteration.txt").write_text(str(STEPS + 1))
     out = tmp_path / "outcomes.json"
     worker = Path(__file__).resolve().parent / "damaged_checkpoint_worker.py"
-    # the intact checkpoint last: it must load and change the model, or "unchanged" proves nothing
-    cmd = [sys.executable, str(worker), str(out), str(missing), str(mis_shaped), str(a_root), "--",
+    # A first (real Adam states to compare); the later save last: a load that succeeds changes
+    # the model, so "unchanged" after a refused one means something
+    cmd = [sys.executable, str(worker), str(out), str(a_root), str(missing), str(mis_shaped), str(later), "--",
            *BASE, *LAYOUTS[layout], "--train-iters", str(STEPS)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, MASTER_PORT=str(free_port())))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     outcomes = json.loads(out.read_text())
     print(json.dumps({"layout": layout, "outcomes": outcomes}))
-    (missing_outcome, mis_shaped_outcome, intact) = outcomes
-    assert missing_outcome["error"] and f"{keys[0]}: the region at offset (3, 0, 0)" in missing_outcome["error"]
-    assert mis_shaped_outcome["error"] and f"{keys[1]}: shape" in mis_shaped_outcome["error"]
+    intact, missing_outcome, mis_shaped_outcome, intact_later = outcomes
+    assert intact["error"] is None and intact_later["error"] is None
+    assert missing_outcome["error"] and expected[0] in missing_outcome["error"]
+    assert mis_shaped_outcome["error"] and expected[1] in mis_shaped_outcome["error"]
     assert missing_outcome["unchanged"] and mis_shaped_outcome["unchanged"]
-    assert intact["error"] is None and not intact["unchanged"]
+    assert not intact_later["unchanged"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs (nvidia-h200-x2)")
@@ -193,7 +202,7 @@ def test_ep1_ep2_ep1_round_trip(single_gpu, tmp_path, layout):
                       "a_vs_c": len(differences(a, c))}))
     assert differences(a, b) == [] and differences(a, c) == []
     # Expert 3 lives on EP rank 0 only: rank 1 must refuse too (or it would wait in the load forever).
-    key = damaged_copy(tmp_path / "B", tmp_path / "B-damaged", "missing_expert")
+    expected = damaged_copy(tmp_path / "B", tmp_path / "B-damaged", "missing_expert")
     log = pretrain(layout, STEPS, tmp_path / "E", load=tmp_path / "B-damaged", launcher=torchrun,
                    extra=["--expert-model-parallel-size", "2"], expect_failure=True)
-    assert log.count(f"{key}: the region at offset (3, 0, 0)") >= 2, log[-3000:]  # named on both ranks
+    assert log.count(expected) >= 2, log[-3000:]  # named on both ranks
