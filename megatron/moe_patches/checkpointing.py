@@ -155,7 +155,8 @@ def uncovered_tensors(sharded_state_dict, metadata) -> List[str]:
             problems.append(f"{tensor.key}: not in the checkpoint")
             continue
         if tuple(saved.size) != tuple(tensor.global_shape) and not tensor.allow_shape_mismatch:
-            problems.append(f"{tensor.key}: shape {tuple(saved.size)} in the checkpoint, {tuple(tensor.global_shape)} in the model")
+            problems.append(f"{tensor.key}: shape {tuple(saved.size)} in the checkpoint, "
+                            f"{tuple(tensor.global_shape)} in the model")
             continue
         if tensor.flattened_range is not None or tensor.allow_shape_mismatch:
             continue  # regions not expressible as one box; DCP and megatron-core check these
@@ -194,6 +195,37 @@ def check_checkpoint_covers(sharded_state_dict, path: str) -> None:
         )
 
 
+def fit_optimizer_state(optimizer, loaded: dict):
+    """``loaded`` (the optimizer part of a loaded checkpoint) shaped for ``optimizer.load_state_dict``.
+
+    Per-parameter states come back shaped as asked, but megatron-core keeps an optimizer's
+    plain state (param groups with ``step``, the sharding type) in the checkpoint's common
+    part, shaped like the *saving* optimizer: a ChainedOptimizer of one (EP=1: experts are
+    ordinary data-parallel params) or of two (EP>1: dense, expert; int keys). Across an EP
+    change each current optimizer gets the plain state with every saved param group, each
+    also offered for the other ``is_expert_parallel`` value: DistributedOptimizer matches
+    groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), and an expert
+    parameter's hyperparameters do not depend on EP.
+    """
+    count = len(getattr(optimizer, "chained_optimizers", [optimizer]))
+    wanted = [loaded] if count == 1 else [loaded.get(i, {}) for i in range(count)]
+    if all("optimizer" in part for part in wanted):
+        return loaded  # saved by an optimizer of this shape
+    saved = [loaded] if "optimizer" in loaded else [
+        entry for key, entry in sorted((k, v) for k, v in loaded.items() if isinstance(k, int))
+        if isinstance(entry, dict) and "optimizer" in entry
+    ]
+    if not saved:
+        raise ValueError("the checkpoint's optimizer state has no param groups (not a megatron-core optimizer's)")
+    exact = [group for entry in saved for group in entry["optimizer"]["param_groups"]]
+    other_ep = [{**group, "is_expert_parallel": not group["is_expert_parallel"]}
+                for group in exact if "is_expert_parallel" in group]
+    plain = {k: v for k, v in saved[0].items() if not isinstance(k, int) and k != "param_state"}
+    plain["optimizer"] = {**plain["optimizer"], "param_groups": other_ep + exact}  # last match wins
+    fitted = [{**plain, **{k: v for k, v in part.items() if not isinstance(k, int)}} for part in wanted]
+    return fitted[0] if count == 1 else fitted
+
+
 def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> int:
     """Load the newest checkpoint under ``root``; returns its iteration."""
     from megatron.core import dist_checkpointing
@@ -210,7 +242,7 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     check_checkpoint_covers(state, path)
     loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    optimizer.load_state_dict(fit_optimizer_state(optimizer, loaded["optimizer"]))
     common = dist_checkpointing.load_common_state_dict(path)
     scheduler.load_state_dict(common["opt_param_scheduler"])
     return int(common["iteration"])

@@ -113,7 +113,8 @@ def test_load_refuses_a_damaged_checkpoint_before_reading(tmp_path, monkeypatch)
     common = {"args": {}, "iteration": 4, "opt_param_scheduler": {}}
     monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda p: common)
     monkeypatch.setattr(dist_checkpointing, "load", lambda state, p: reads.append(p) or state)
-    monkeypatch.setattr(checkpointing, "_state", lambda model, *rest, loading: {"model": model.sharded_state_dict(), "optimizer": {}})
+    monkeypatch.setattr(checkpointing, "_state", lambda model, *rest, loading: {"model": model.sharded_state_dict(),
+                                                           "optimizer": {"optimizer": {"param_groups": []}}})
 
     def load():
         return checkpointing.load(str(tmp_path), _Stateful(), _Stateful(), _Stateful(), argparse.Namespace())
@@ -123,3 +124,59 @@ def test_load_refuses_a_damaged_checkpoint_before_reading(tmp_path, monkeypatch)
     with pytest.raises(IncompleteCheckpointError, match="nothing was loaded") as refused:
         load()
     assert f"{KEY}: not in the checkpoint" in str(refused.value) and len(reads) == 1
+
+
+# --- optimizer plain state across EP sizes (checkpointing.fit_optimizer_state) ---------------
+
+IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def group(wd_mult, expert, step=4):
+    return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": expert, "is_decoupled_lr": False,
+            "step": step, "lr": 1e-3}
+
+
+def picked(state, wd_mult, expert):
+    """The saved group megatron-core's DistributedOptimizer.load_state_dict would use (last match wins)."""
+    by_identity = {tuple(g[k] for k in IDENTITY): g for g in state["optimizer"]["param_groups"]}
+    return by_identity[(wd_mult, 1.0, expert, False)]
+
+
+class _Chain:
+    def __init__(self, count):
+        self.chained_optimizers = [object()] * count
+
+
+def test_optimizer_state_of_the_same_shape_is_untouched():
+    single = {"optimizer": {"param_groups": [group(1.0, False)]}, "param_state": {}, "param_state_sharding_type": "x"}
+    assert checkpointing.fit_optimizer_state(_Chain(1), single) is single
+    chained = {0: dict(single), 1: dict(single)}
+    assert checkpointing.fit_optimizer_state(_Chain(2), chained) is chained
+
+
+def test_ep1_optimizer_state_fits_the_ep2_chain():
+    """EP=1 saved one optimizer (experts in data-parallel groups); EP=2 has dense + expert."""
+    loaded = {"optimizer": {"param_groups": [group(1.0, False), group(0.0, False)]},
+              "param_state_sharding_type": "fully_reshardable",
+              0: {"param_state": "dense"}, 1: {"param_state": "expert"}}
+    dense, expert = checkpointing.fit_optimizer_state(_Chain(2), loaded)
+    assert (dense["param_state"], expert["param_state"]) == ("dense", "expert")
+    assert dense["param_state_sharding_type"] == expert["param_state_sharding_type"] == "fully_reshardable"
+    assert picked(dense, 0.0, False)["step"] == 4 and picked(expert, 1.0, True)["step"] == 4
+    assert picked(expert, 0.0, True)["wd_mult"] == 0.0
+    assert len(loaded["optimizer"]["param_groups"]) == 2  # the loaded tree is not modified
+
+
+def test_ep2_optimizer_state_fits_one_optimizer_and_exact_groups_win():
+    loaded = {0: {"optimizer": {"param_groups": [group(1.0, False, step=4)]}, "param_state_sharding_type": "f"},
+              1: {"optimizer": {"param_groups": [group(1.0, True, step=5)]}, "param_state_sharding_type": "f"},
+              "param_state": "all"}
+    state = checkpointing.fit_optimizer_state(_Chain(1), loaded)
+    assert state["param_state"] == "all" and state["param_state_sharding_type"] == "f"
+    assert picked(state, 1.0, False)["step"] == 4  # the dense group, not the expert group relabelled
+    assert picked(state, 1.0, True)["step"] == 5
+
+
+def test_optimizer_state_without_param_groups_is_refused():
+    with pytest.raises(ValueError, match="no param groups"):
+        checkpointing.fit_optimizer_state(_Chain(2), {0: {"param_state": 1}, 1: {"param_state": 2}})
