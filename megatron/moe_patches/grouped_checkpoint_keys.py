@@ -16,8 +16,8 @@ Layouts of one expert FC with E local experts: *indexed* (stock TE GroupedLinear
   ``state_dict`` present indexed views, so its checkpoints, plain and torch_dist, keep
   the stock keys.
 
-Upstream: NVIDIA/Megatron-LM#3890, #4636. Not covered yet: the DistributedOptimizer's
-own param-reload map for grouped parameters (F7).
+Upstream: NVIDIA/Megatron-LM#3890, #4636. The optimizers' map for grouped parameters is
+F7 (grouped_optimizer_state); torch_dist loads check coverage in checkpointing.
 """
 
 from typing import Dict, List

@@ -165,7 +165,8 @@ SERIES: Tuple[Feature, ...] = (
         te_probe=None,
         native=_f6_native,
         page="patches/F6-grouped-checkpoint-keys.md",
-        test="tests/unit/test_grouped_checkpoint_keys.py, tests/gpu/test_device_splits.py",
+        test="tests/unit/test_grouped_checkpoint_keys.py, tests/unit/test_checkpoint_coverage.py, "
+        "tests/gpu/test_grouped_checkpoint_round_trips.py, tests/gpu/test_device_splits.py",
         module="megatron.moe_patches.grouped_checkpoint_keys",
         issue=5,
     ),
