@@ -16,6 +16,13 @@ included) and stacks them back on load. Optimizer states
 load into indexed or grouped experts alike. An incomplete or ambiguous set of rows is an
 error naming the parameter; nothing is guessed.
 
+The distributed optimizer's other map, model param -> tensor of a plain model state dict
+(``reload_model_params(state_dict)``, i.e. Megatron-LM's --load-main-params-from-ckpt),
+matches names by substring: a grouped ``...weight`` matches every ``...weight0..N-1``,
+an indexed ``weight1`` also matches ``weight10``. ``state_dict_param_map`` matches exact
+names instead and converts layouts with F6's ``normalize_grouped_keys`` (so its refusals:
+incomplete set, both layouts present, wrong leading dim).
+
 Patches: ``DistributedOptimizer`` (megatron.core.optimizer.distrib_optimizer) is replaced
 by ``GroupedParamDistributedOptimizer``; ``get_param_id_to_sharded_param_map`` (the
 other optimizers' lookup) by ``param_id_to_sharded_param_map``. Grouped *quantized*
@@ -24,8 +31,9 @@ version: no expert backend here holds FP8 parameters. Upstream: NVIDIA/Megatron-
 #4324.
 """
 
+import re
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -34,7 +42,10 @@ from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_p
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron.moe_patches.grouped_checkpoint_keys import normalize_grouped_keys
+
 GROUPED_ENTRIES_KEY = "__grouped_param_factories__"
+EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.)?(?P<base>weight|bias)(?P<index>\d*)$")
 
 
 def _row_index(param: torch.Tensor, view: torch.Tensor) -> Optional[int]:
@@ -109,6 +120,56 @@ def param_id_to_sharded_param_map(model_sharded_state_dict, optim_params_iter):
     return get_param_id_to_sharded_param_map(_with_grouped_entries(model_sharded_state_dict, params), params)
 
 
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):  # DDP / Float16Module
+        name = name[len("module."):]
+    return name
+
+
+def state_dict_param_map(named_params: Iterable[Tuple[str, torch.Tensor]], state_dict: Dict) -> Dict:
+    """Model param -> its tensor in a plain model ``state_dict``, indexed or grouped alike.
+
+    Exact names (wrapper prefixes ignored). A grouped ``p.weight`` [E, ...] absent from the
+    dict is stacked from ``p.weight0..E-1``; an indexed ``p.weight3`` is row 3 of ``p.weight``.
+    A missing or mis-shaped entry is an error naming the parameter.
+    """
+    named_params = [(_strip_wrappers(name), param) for name, param in named_params]
+    entries = {_strip_wrappers(key): value for key, value in state_dict.items()}  # converted copy
+    indexed_count: Dict[str, int] = {}
+    for name, _ in named_params:
+        match = EXPERT_PARAM.match(name)
+        if match and match["index"]:
+            key = (match["prefix"] or "") + match["base"]
+            indexed_count[key] = indexed_count.get(key, 0) + 1
+    found = {}
+    for name, param in named_params:
+        match = EXPERT_PARAM.match(name)
+        if match:
+            prefix, stem = match["prefix"] or "", (match["prefix"] or "") + match["base"]
+            if match["index"] and stem in entries:  # indexed param, grouped entry
+                normalize_grouped_keys(entries, prefix, indexed_count[stem], grouped=False)
+            elif not match["index"] and f"{stem}0" in entries and param.dim() > 1:  # grouped param, indexed entries
+                normalize_grouped_keys(entries, prefix, param.shape[0], grouped=True)
+        if name not in entries:
+            raise KeyError(f"parameter {name}: no entry in the state dict")
+        if tuple(entries[name].shape) != tuple(param.shape):
+            raise ValueError(f"parameter {name}: shape {tuple(param.shape)}, state dict entry "
+                             f"{tuple(entries[name].shape)}")
+        found[param] = entries[name]
+    return found
+
+
+def _state_dict_per_chunk(state_dict: Dict, chunks: int) -> List[Dict]:
+    """Megatron's model state dict forms: {"model0": ..} / {"model_0": ..} (NeMo) per chunk,
+    {"model": ..} or the bare dict for one chunk."""
+    for prefix in ("model", "model_"):
+        if f"{prefix}0" in state_dict:
+            return [state_dict[f"{prefix}{i}"] for i in range(chunks)]
+    if chunks != 1:
+        raise KeyError(f"{chunks} model chunks but the state dict has no model0/model_0 entries")
+    return [state_dict.get("model", state_dict)]
+
+
 class GroupedParamDistributedOptimizer(DistributedOptimizer):
     """DistributedOptimizer whose checkpoints hold grouped parameters' states per expert."""
 
@@ -117,6 +178,13 @@ class GroupedParamDistributedOptimizer(DistributedOptimizer):
         params = [p for buffer in self.buffers for p in buffer.param_index_map]
         model_sharded_state_dict = _with_grouped_entries(model_sharded_state_dict, params)
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type, metadata)
+
+    def _build_model_param_to_state_dict_param_map(self, state_dict):
+        per_chunk = _state_dict_per_chunk(state_dict, len(self.model_chunks))
+        found = {}
+        for chunk, chunk_state in zip(self.model_chunks, per_chunk):
+            found.update(state_dict_param_map(chunk.named_parameters(), chunk_state))
+        return found
 
 
 def replacements():

@@ -94,3 +94,94 @@ def test_other_optimizers_map_includes_the_grouped_param():
     model = {"experts": per_expert_entries(grouped), "plain": ShardedTensor.from_rank_offsets("plain", plain)}
     mapping = param_id_to_sharded_param_map(model, iter([plain, grouped]))
     assert mapping[0].data is plain and mapping[1].data is grouped and mapping[1].key == KEY
+
+
+# --- model param -> plain state dict tensor (reload_model_params / load-main-params-from-ckpt) ---
+
+from megatron.moe_patches.grouped_optimizer_state import (  # noqa: E402
+    GroupedParamDistributedOptimizer,
+    state_dict_param_map,
+)
+
+FC1 = "decoder.layers.0.mlp.experts.linear_fc1."
+
+
+class Experts(torch.nn.Module):
+    """Expert FC1 in one layout, plus a dense weight and a norm; named as Megatron's DDP wrapper."""
+
+    def __init__(self, grouped, experts=E):
+        super().__init__()
+        if grouped:
+            self.named = {FC1 + "weight": torch.nn.Parameter(torch.zeros(experts, OUT, IN))}
+        else:
+            self.named = {f"{FC1}weight{i}": torch.nn.Parameter(torch.zeros(OUT, IN)) for i in range(experts)}
+        self.named["decoder.layers.0.self_attention.linear_qkv.weight"] = torch.nn.Parameter(torch.zeros(OUT, IN))
+        self.named["decoder.final_layernorm.weight"] = torch.nn.Parameter(torch.zeros(IN))
+
+    def named_parameters(self):
+        return [("module.module." + name, param) for name, param in self.named.items()]
+
+
+def checkpoint(grouped, experts=E):
+    weights = torch.randn(experts, OUT, IN, dtype=torch.float64)
+    state = {"decoder.layers.0.self_attention.linear_qkv.weight": torch.randn(OUT, IN, dtype=torch.float64),
+             "decoder.final_layernorm.weight": torch.randn(IN, dtype=torch.float64)}
+    if grouped:
+        state[FC1 + "weight"] = weights
+    else:
+        state.update({f"{FC1}weight{i}": weights[i] for i in range(experts)})
+    return state, weights
+
+
+@pytest.mark.parametrize("model_grouped", [True, False])
+@pytest.mark.parametrize("checkpoint_grouped", [True, False])
+def test_state_dict_map_across_layouts(model_grouped, checkpoint_grouped):
+    model = Experts(model_grouped)
+    state, weights = checkpoint(checkpoint_grouped)
+    keys_before = sorted(state)
+    found = state_dict_param_map(model.named_parameters(), state)
+    assert len(found) == len(model.named)
+    if model_grouped:
+        assert torch.equal(found[model.named[FC1 + "weight"]], weights)
+    else:
+        for i in range(E):
+            assert torch.equal(found[model.named[f"{FC1}weight{i}"]], weights[i])
+    dense = model.named["decoder.final_layernorm.weight"]
+    assert found[dense] is state["decoder.final_layernorm.weight"]  # exact names: the entry itself
+    assert sorted(state) == keys_before  # the caller's dict is not rewritten
+
+
+def test_stock_substring_map_fails_where_this_one_works():
+    """megatron-core 0.16.1 matches `name in key`: a grouped weight matches weight0..E-1."""
+    model = Experts(grouped=True)
+    state, _ = checkpoint(grouped=False)
+    fake_optimizer = type("Opt", (), {"model_chunks": [model]})()
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    with pytest.raises(AssertionError, match="matches in state dict"):
+        DistributedOptimizer._build_model_param_to_state_dict_param_map(fake_optimizer, {"model": state})
+    found = GroupedParamDistributedOptimizer._build_model_param_to_state_dict_param_map(fake_optimizer,
+                                                                                        {"model": state})
+    assert len(found) == len(model.named)
+
+
+def test_state_dict_map_refusals_name_the_parameter():
+    state, _ = checkpoint(grouped=False)
+    del state[f"{FC1}weight2"]
+    with pytest.raises(KeyError, match=f"incomplete expert set for {FC1}weight.*weight2"):
+        state_dict_param_map(Experts(grouped=True).named_parameters(), state)
+    state, weights = checkpoint(grouped=False)
+    state[FC1 + "weight"] = weights  # both layouts
+    with pytest.raises(KeyError, match="ambiguous"):
+        state_dict_param_map(Experts(grouped=False).named_parameters(), state)
+    state, _ = checkpoint(grouped=True, experts=E + 1)  # another expert count
+    with pytest.raises(KeyError, match="leading dim"):
+        state_dict_param_map(Experts(grouped=False).named_parameters(), state)
+    state, _ = checkpoint(grouped=True)
+    del state["decoder.final_layernorm.weight"]
+    with pytest.raises(KeyError, match="decoder.final_layernorm.weight: no entry"):
+        state_dict_param_map(Experts(grouped=True).named_parameters(), state)
+    state, _ = checkpoint(grouped=True)
+    state["decoder.final_layernorm.weight"] = torch.zeros(IN + 1)
+    with pytest.raises(ValueError, match=r"final_layernorm.weight: shape \(3,\), state dict entry \(4,\)"):
+        state_dict_param_map(Experts(grouped=True).named_parameters(), state)
