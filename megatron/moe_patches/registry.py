@@ -174,7 +174,8 @@ SERIES: Tuple[Feature, ...] = (
         id="F7",
         title="DistributedOptimizer grouped tensors",
         changes="Optimizers map a grouped param to its per-expert checkpoint entries (one factory), "
-        "so main params and Adam states save and load per expert, across grouped/indexed layouts.",
+        "so main params and Adam states save and load per expert, across grouped/indexed layouts; "
+        "main params reload from a state dict in either layout.",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4324"),
         te_requirement="none beyond F5",
