@@ -210,19 +210,23 @@ def test_main_params_load_from_a_state_dict_in_the_other_layout(single_gpu, tmp_
 @pytest.mark.parametrize("layout", ["te", "grouped"])
 def test_ep1_ep2_ep1_round_trip(single_gpu, tmp_path, layout):
     torchrun = ("torchrun", "--nproc-per-node", "2")
-    pretrain(layout, STEPS, tmp_path / "A", launcher=torchrun)  # DP=2, EP=1
-    pretrain(layout, STEPS, tmp_path / "B", load=tmp_path / "A", launcher=torchrun,
-             extra=["--expert-model-parallel-size", "2"])
+    ep2 = ["--expert-model-parallel-size", "2"]
+    x_next = pretrain(layout, STEPS + 1, tmp_path / "A", launcher=torchrun,  # DP=2, EP=1
+                      extra=["--save-interval", str(STEPS)])[STEPS + 1]
+    (tmp_path / "A" / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+    y_next = pretrain(layout, STEPS + 1, tmp_path / "D", load=tmp_path / "A", launcher=torchrun, extra=ep2)[STEPS + 1]
+    pretrain(layout, STEPS, tmp_path / "B", load=tmp_path / "A", launcher=torchrun, extra=ep2)
     pretrain(layout, STEPS, tmp_path / "C", load=tmp_path / "B", launcher=torchrun)
     a, b, c = tensors(tmp_path / "A"), tensors(tmp_path / "B"), tensors(tmp_path / "C")
     steps = [sorted({v for k, v in t.items() if k.endswith(".step")}) for t in (a, b, c)]
     print(json.dumps({"layout": layout, "tensors": len(a), "a_vs_b": differences(a, b, tensors_only=True)[:4],
-                      "a_vs_c": differences(a, c)[:4], "optimizer_steps": steps}))
+                      "a_vs_c": differences(a, c)[:4], "optimizer_steps": steps, "next_loss": [x_next, y_next]}))
     # EP=2 chains a dense and an expert optimizer: its plain state nests differently, same values
     assert differences(a, b, tensors_only=True) == [] and differences(a, c) == []
     assert steps[0] == steps[1] == steps[2] != []  # Adam bias correction continues
+    assert abs(y_next - x_next) <= LOSS_RTOL * abs(x_next)  # EP=2 reduces in another order
     # Expert 3 lives on EP rank 0 only: rank 1 must refuse too (or it would wait in the load forever).
     expected = damaged_copy(tmp_path / "B", tmp_path / "B-damaged", "missing_expert")
-    log = pretrain(layout, STEPS, tmp_path / "E", load=tmp_path / "B-damaged", launcher=torchrun,
-                   extra=["--expert-model-parallel-size", "2"], expect_failure=True)
+    log = pretrain(layout, STEPS, tmp_path / "E", load=tmp_path / "B-damaged", launcher=torchrun, extra=ep2,
+                   expect_failure=True)
     assert log.count(expected) >= 2, log[-3000:]  # named on both ranks
