@@ -6,6 +6,10 @@ state (iteration, scheduler, the run's args as a plain dict);
 takes the model-defining args and the MoE patch flags from the checkpoint, with
 Megatron's ``_set_arg`` rule: a saved value is taken where the current one is unset,
 and always for on/off flags (a store_true default is never "unset").
+
+``load`` refuses, before reading anything, a checkpoint that cannot fill every sharded
+tensor of the model and optimizer (``check_checkpoint_covers``), and fits the optimizer's
+plain state to the current optimizer chain across EP changes (``fit_optimizer_state``).
 """
 
 import argparse
