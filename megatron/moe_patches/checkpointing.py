@@ -216,8 +216,7 @@ def fit_optimizer_state(optimizer, loaded: dict):
     if all("optimizer" in part for part in wanted):
         return loaded  # saved by an optimizer of this shape
     saved = [loaded] if "optimizer" in loaded else [
-        entry for key, entry in sorted((k, v) for k, v in loaded.items() if isinstance(k, int))
-        if isinstance(entry, dict) and "optimizer" in entry
+        loaded[k] for k in sorted(k for k in loaded if isinstance(k, int)) if "optimizer" in loaded[k]
     ]
     if not saved:
         raise ValueError("the checkpoint's optimizer state has no param groups (not a megatron-core optimizer's)")

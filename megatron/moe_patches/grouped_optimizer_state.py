@@ -32,6 +32,7 @@ version: no expert backend here holds FP8 parameters. Upstream: NVIDIA/Megatron-
 """
 
 import re
+from collections import Counter
 from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -45,7 +46,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.moe_patches.grouped_checkpoint_keys import normalize_grouped_keys
 
 GROUPED_ENTRIES_KEY = "__grouped_param_factories__"
-EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.)?(?P<base>weight|bias)(?P<index>\d*)$")
+EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.)(?P<base>weight|bias)(?P<index>\d*)$")
 
 
 def _row_index(param: torch.Tensor, view: torch.Tensor) -> Optional[int]:
@@ -135,17 +136,13 @@ def state_dict_param_map(named_params: Iterable[Tuple[str, torch.Tensor]], state
     """
     named_params = [(_strip_wrappers(name), param) for name, param in named_params]
     entries = {_strip_wrappers(key): value for key, value in state_dict.items()}  # converted copy
-    indexed_count: Dict[str, int] = {}
-    for name, _ in named_params:
-        match = EXPERT_PARAM.match(name)
-        if match and match["index"]:
-            key = (match["prefix"] or "") + match["base"]
-            indexed_count[key] = indexed_count.get(key, 0) + 1
+    parsed = {name: EXPERT_PARAM.match(name) for name, _ in named_params}
+    indexed_count = Counter(m["prefix"] + m["base"] for m in parsed.values() if m and m["index"])
     found = {}
     for name, param in named_params:
-        match = EXPERT_PARAM.match(name)
+        match = parsed[name]
         if match:
-            prefix, stem = match["prefix"] or "", (match["prefix"] or "") + match["base"]
+            prefix, stem = match["prefix"], match["prefix"] + match["base"]
             if match["index"] and stem in entries:  # indexed param, grouped entry
                 normalize_grouped_keys(entries, prefix, indexed_count[stem], grouped=False)
             elif not match["index"] and f"{stem}0" in entries and param.dim() > 1:  # grouped param, indexed entries
