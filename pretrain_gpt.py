@@ -2,7 +2,7 @@
 
 import sys
 
-from megatron.moe_patches.pretrain import main
+from megatron.moe_patches.driver.training import main
 
 if __name__ == "__main__":  # dist_checkpointing re-imports __main__ in worker processes
     sys.exit(main())

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
 from megatron.moe_patches import apply, revert  # noqa: E402
-from megatron.moe_patches.harness import (  # noqa: E402
+from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
     SHAPES,
     build_moe_layer,
     expert_gemm_flops,

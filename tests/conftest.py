@@ -6,11 +6,11 @@ GPU_DIRS = ("tests/gpu/", "tests/functional/")
 
 def _gpu_unavailable() -> str:
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (run on the device machine, see README 'GPU tests')"
+        return "needs a CUDA GPU (see README, 'GPU tests and benchmarks')"
     from megatron.moe_patches import capabilities
 
     if capabilities.te_version() is None:
-        return "needs Transformer Engine (pip install -e '.[te]' or the device kit)"
+        return "needs Transformer Engine (pip install -e '.[te]')"
     return ""
 
 

@@ -12,7 +12,7 @@ from megatron.moe_patches.registry import BY_ID
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron.moe_patches")
     sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("status", help="print what is applied, native, pending or skipped, and why")
+    show = sub.add_parser("status", help="print what is applied, native, skipped or off, and why")
     show.add_argument("--apply", action="store_true", help="apply() first, then report")
     show.add_argument("--features", default=None, help="comma-separated ids for --apply (default: all)")
     show.add_argument("--json", action="store_true", help="one JSON object per line")

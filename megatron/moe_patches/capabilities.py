@@ -56,7 +56,7 @@ def te_version() -> Optional[Version]:
     return Version(transformer_engine.__version__)
 
 
-def _te_attr(path: str):
+def te_attr(path: str):
     """``transformer_engine.pytorch.<path>`` or None."""
     if te_version() is None:
         return None
@@ -86,19 +86,19 @@ def accepts_parameter(fn, name: str) -> bool:
 
 def te_fused_permute_pad() -> bool:
     """TE's fused permute+pad with probs and an unpermute that takes pad_offsets (F1)."""
-    return _te_attr("permutation.moe_permute_and_pad_with_probs") is not None and accepts_parameter(
-        _te_attr("permutation.moe_unpermute"), "pad_offsets"
+    return te_attr("permutation.moe_permute_and_pad_with_probs") is not None and accepts_parameter(
+        te_attr("permutation.moe_unpermute"), "pad_offsets"
     )
 
 
 def te_op_fuser_grouped_mlp() -> bool:
     """TE ops for a grouped MLP pipeline: GroupedLinear and the router-prob-scaled GLUs (F4)."""
-    return all(_te_attr(f"ops.{op}") is not None for op in ("GroupedLinear", "ScaledSwiGLU"))
+    return all(te_attr(f"ops.{op}") is not None for op in ("GroupedLinear", "ScaledSwiGLU"))
 
 
 def te_fused_grouped_mlp_kernel() -> bool:
     """TE fuses the grouped-MLP op pipeline into one kernel on this GPU (SM100 + cuDNN FE today)."""
-    fused = _te_attr("ops.fused.GroupedMLP_CuTeGEMMGLU")
+    fused = te_attr("ops.fused.GroupedMLP_CuTeGEMMGLU")
     try:
         return fused is not None and bool(fused.is_supported())
     except Exception:  # no GPU, or a probe that cannot run here: not available
@@ -107,12 +107,12 @@ def te_fused_grouped_mlp_kernel() -> bool:
 
 def te_ops_grouped_linear_has(option: str) -> bool:
     """Whether ``te.pytorch.ops.GroupedLinear`` takes a constructor option (F4/F5)."""
-    return accepts_parameter(_te_attr("ops.GroupedLinear"), option)
+    return accepts_parameter(te_attr("ops.GroupedLinear"), option)
 
 
 def te_grouped_linear_device_splits() -> bool:
     """Whether TE's module GroupedLinear.forward takes m_splits as a tensor (F8, ROCm TE)."""
-    grouped_linear = _te_attr("GroupedLinear")
+    grouped_linear = te_attr("GroupedLinear")
     return grouped_linear is not None and accepts_parameter(grouped_linear.forward, "m_splits_tensor")
 
 

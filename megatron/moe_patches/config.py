@@ -1,9 +1,9 @@
 """Config fields of the patch set (series entry C0).
 
 Patches: megatron-core's ``TransformerConfig`` / ``MLATransformerConfig`` gain the
-fields below through subclasses (never by editing the stock dataclasses), and
-``apply()`` rebinds the stock names to those subclasses so that stock entry
-points (Megatron-LM's ``core_transformer_config_from_args``, user scripts)
+fields of ``fields.MoEPatchFields`` through subclasses (never by editing the stock
+dataclasses), and ``apply()`` rebinds the stock names to those subclasses so that stock
+entry points (Megatron-LM's ``core_transformer_config_from_args``, user scripts)
 construct and validate them too.
 
 Why subclasses: builders filter constructor kwargs on ``dataclasses.fields``;
@@ -12,78 +12,16 @@ attributes that are not dataclass fields are silently dropped, and a wrapped
 upstream's spelling so recipes stay portable.
 """
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from megatron.moe_patches.expert_table import single_grouped_refusal
+from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, MoEPatchFields
+
 logger = logging.getLogger(__name__)
-
-# The seed (ROCm PR) switches device-resident splits on with this variable.
-DEVICE_SPLITS_ENV_ALIAS = "NVTE_USE_GROUPED_GEMM_TRITON"
-
-
-def _field(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
-@dataclass
-class MoEPatchFields:
-    """The fields this patch set adds; ``metadata["help"]`` is each flag's --help text."""
-
-    use_transformer_engine_op_fuser: bool = _field(
-        False,
-        "Run the TE grouped experts as one transformer_engine.pytorch.ops pipeline "
-        "(FC1 -> router-prob-weighted activation -> FC2).",
-    )
-    moe_mlp_glu_interleave_size: Optional[int] = _field(
-        None,
-        "Store FC1's GLU output rows as alternating gate/linear blocks of this many rows "
-        "(must divide the per-partition MoE FFN size). Default: the concatenated layout.",
-    )
-    moe_single_grouped_weight: bool = _field(
-        False, "Store each expert FC weight as one [num_experts, out, in] grouped parameter."
-    )
-    moe_single_grouped_bias: bool = _field(
-        False, "Store each expert FC bias as one [num_experts, out] grouped parameter."
-    )
-    moe_hybridep_num_blocks_permute: Optional[int] = _field(
-        None, "CUDA thread blocks for the permute fused into HybridEP dispatch (default: HybridEP chooses)."
-    )
-    moe_hybridep_num_blocks_unpermute: Optional[int] = _field(
-        None,
-        "CUDA thread blocks for the unpermute fused into HybridEP combine (default: HybridEP chooses).",
-    )
-    moe_device_tokens_per_expert: bool = _field(
-        False,
-        "Keep tokens_per_expert on the GPU from routing to the expert GEMMs (no host sync where "
-        "the expert backend takes device splits). NVTE_USE_GROUPED_GEMM_TRITON=1 also sets it.",
-    )
-
-
-PATCH_FIELDS = tuple(dataclasses.fields(MoEPatchFields))
-PATCH_FIELD_NAMES = tuple(f.name for f in PATCH_FIELDS)
-
-
-def patch_option(config, name: str):
-    """A patch field's value, or its default for a config built from a stock class."""
-    if name not in PATCH_FIELD_NAMES:
-        raise KeyError(f"{name!r} is not a field of MoEPatchFields")
-    default = next(f.default for f in PATCH_FIELDS if f.name == name)
-    return getattr(config, name, default)
-
-
-def grouped_param_backends(config) -> tuple:
-    """Expert backends switched on in ``config`` that can hold single grouped parameters."""
-    from megatron.moe_patches.expert_backends import GROUPED_MM, select_expert_backend
-
-    backends = ("te_op_fuser",) if config.use_transformer_engine_op_fuser else ()
-    if select_expert_backend(config)[0] == GROUPED_MM:
-        backends += (GROUPED_MM,)
-    return backends
 
 
 def validate_moe_patch_config(config) -> None:
@@ -100,21 +38,15 @@ def validate_moe_patch_config(config) -> None:
         and not config.moe_use_legacy_grouped_gemm
     )
 
-    for name in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
-        if not getattr(config, name):
-            continue
-        if not te_grouped_experts:
-            errors.append(
-                f"{name}=True needs TE grouped experts: set num_moe_experts, "
-                "moe_grouped_gemm=True (--moe-grouped-gemm), "
-                "transformer_impl='transformer_engine' and moe_use_legacy_grouped_gemm=False."
-            )
-        elif not grouped_param_backends(config):
-            errors.append(
-                f"{name}=True needs an expert backend that holds grouped parameters: "
-                "--moe-device-tokens-per-expert (the grouped_mm backend: bf16, SwiGLU/quick-GEGLU, "
-                "no bias, ETP 1) or --use-transformer-engine-op-fuser."
-            )
+    grouped = [n for n in ("moe_single_grouped_weight", "moe_single_grouped_bias") if getattr(config, n)]
+    if grouped and not te_grouped_experts:
+        errors.append(
+            f"{'/'.join(grouped)}=True needs TE grouped experts: set num_moe_experts, "
+            "moe_grouped_gemm=True (--moe-grouped-gemm), "
+            "transformer_impl='transformer_engine' and moe_use_legacy_grouped_gemm=False."
+        )
+    elif grouped and single_grouped_refusal(config) is not None:
+        errors.append(single_grouped_refusal(config))
     if config.moe_single_grouped_bias and not config.add_bias_linear:
         errors.append(
             "moe_single_grouped_bias=True needs expert biases: set add_bias_linear=True "

@@ -1,135 +1,169 @@
 """F8: tokens_per_expert stays on the GPU from routing to the expert GEMMs.
 
-Patches (with ``moe_device_tokens_per_expert`` or ``NVTE_USE_GROUPED_GEMM_TRITON=1``):
+With ``moe_device_tokens_per_expert`` (or ``NVTE_USE_GROUPED_GEMM_TRITON=1``):
 
-- the alltoall dispatcher (F1's subclass) no longer copies ``tokens_per_expert`` to the
-  host and drops the host sync that existed only for that copy: with EP = 1 the
-  dispatcher never waits for the GPU; with EP > 1 it keeps the one sync the
-  all-to-all's split sizes need (``before_ep_alltoall``);
-- with ``moe_single_grouped_weight`` the grouped_mm backend holds each FC's experts as
-  one [E, out, in] parameter (checkpoints keep the stock per-expert keys: F6's hooks);
-- the TE grouped experts (F3's subclass) pick a backend at construction
-  (``expert_backends.select_expert_backend``): the sync-free ``grouped_mm`` backend,
-  or the TE backend with exactly one host copy (``host_tokens_per_expert``).
+- the alltoall dispatcher (``dispatchers.PatchedAlltoAllTokenDispatcher``, option
+  ``device_splits``) no longer copies ``tokens_per_expert`` to the host and drops the
+  host sync that existed only for that copy: with EP = 1 the dispatcher never waits for
+  the GPU; with EP > 1 it keeps the one sync the all-to-all's split sizes need
+  (``before_ep_alltoall``);
+- the experts run this module's ``GroupedMMBackend`` where it can (``blocker``): FC1
+  and FC2 as one ``torch._grouped_mm`` each over all local experts, with device offsets
+  (no host sync), and megatron-core's fused router-prob-weighted SwiGLU / quick-GEGLU
+  between them. bf16 only. It reads the experts' existing ``linear_fc{1,2}.weight{i}``
+  parameters, so state dicts stay those of stock TE experts; with
+  ``moe_single_grouped_weight`` it holds one [E, out, in] parameter per FC instead (F5).
+  Elsewhere the TE backend copies the counts to the host once.
 
 The allgather dispatcher keeps its host counts. Upstream: ROCm/Megatron-LM (seed 004,
 "GPU m_splits"); TE's module GroupedLinear takes device splits there through
 ``m_splits_tensor``, which NVIDIA's TE (2.20.2) lacks: ``capabilities.
-te_grouped_linear_device_splits`` reports it, and the TE backend then copies once.
+te_grouped_linear_device_splits`` reports it.
 """
 
-import logging
+from typing import List, Optional
 
-from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches import expert_backends as backends
-from megatron.moe_patches.config import patch_option
-from megatron.moe_patches.fused_permute_pad import PaddedPermuteAlltoAllTokenDispatcher
-from megatron.moe_patches.grouped_checkpoint_keys import is_grouped, make_grouped
-from megatron.moe_patches.installer import is_applied
-from megatron.moe_patches.routed_expert_padding import PaddingAwareTEGroupedMLP
+import torch
 
-logger = logging.getLogger(__name__)
+from megatron.moe_patches.expert_backends import ExpertBackend, glu_activation
+from megatron.moe_patches.fields import patch_option
+from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
+from megatron.moe_patches.single_grouped_params import make_grouped
 
-
-class DeviceSplitsAlltoAllTokenDispatcher(PaddedPermuteAlltoAllTokenDispatcher):
-    """AlltoAll dispatcher that hands the experts device-resident token counts."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.device_splits = bool(patch_option(self.config, "moe_device_tokens_per_expert"))
-
-    def _maybe_update_cuda_sync_point(self, point: str):
-        # "before_finish" exists only to read tokens_per_expert on the host.
-        if self.device_splits and point == "before_finish":
-            return
-        super()._maybe_update_cuda_sync_point(point)
-
-    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
-        if not self.device_splits:
-            return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
-        super()._maybe_dtoh_and_synchronize(point, None)  # split sizes still go to the host
-        return tokens_per_expert
+# --- grouped weights without copies ------------------------------------------------------
 
 
-    def _identity_chunk_sort(self) -> bool:
-        # One source rank, no TP: sorting chunks by local expert keeps them in place, yet
-        # the stock path still copies all permuted tokens through the sort (both ways).
-        return self.device_splits and self.ep_size == 1 and self.tp_size == 1
+def gather_into_one_block(weights: List[torch.nn.Parameter]) -> torch.Tensor:
+    """Move per-expert parameters into one contiguous [E, out, in] block, in place.
 
-    def dispatch_postprocess(self, global_input_tokens, global_probs):
-        if not self._identity_chunk_sort():
-            return super().dispatch_postprocess(global_input_tokens, global_probs)
-        if self.shared_experts is not None:
-            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
-        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
-        return global_input_tokens, tokens_per_expert, global_probs
-
-    def combine_preprocess(self, hidden_states):
-        if not self._identity_chunk_sort():
-            return super().combine_preprocess(hidden_states)
-        return hidden_states
+    The Parameter objects stay (state dicts, optimizers, hooks see the same ones); only
+    their storage becomes slices of the returned block, so the grouped GEMM can read
+    all experts without stacking them each step.
+    """
+    block_EOI = torch.empty((len(weights), *weights[0].shape), dtype=weights[0].dtype, device=weights[0].device)
+    for i, weight in enumerate(weights):
+        block_EOI[i].copy_(weight.detach())
+        weight.data = block_EOI[i]
+    return block_EOI
 
 
-class BackendTEGroupedMLP(PaddingAwareTEGroupedMLP):
-    """TE grouped experts whose compute backend is chosen once, at construction."""
+def _still_in_block(block_EOI: torch.Tensor, weights) -> bool:
+    # DDP or a checkpoint load may have moved a parameter's storage since.
+    return all(w.data_ptr() == block_EOI[i].data_ptr() and w.stride() == block_EOI[i].stride()
+               for i, w in enumerate(weights))
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
-        self.backend, _ = backends.select_expert_backend(config)
-        self._fc1_block = self._fc2_block = None
-        single_grouped = patch_option(config, "moe_single_grouped_weight")
-        if single_grouped and self.backend != backends.GROUPED_MM and not is_applied("F4"):
-            raise ValueError(
-                "moe_single_grouped_weight needs an expert backend that holds grouped parameters: "
-                "the grouped_mm backend (--moe-device-tokens-per-expert, bf16, SwiGLU/quick-GEGLU, no "
-                "bias, ETP 1, Hopper); the op-fuser grouped MLP (F4) is not in this version yet."
-            )
-        op_fuser_fields = ("use_transformer_engine_op_fuser", "moe_mlp_glu_interleave_size")
-        if any(patch_option(config, f) for f in op_fuser_fields) and not is_applied("F4"):
-            logger.warning(
-                "use_transformer_engine_op_fuser / moe_mlp_glu_interleave_size are set, but the "
-                "op-fuser grouped MLP (F4) is not in this version yet: the experts run the %s path.",
-                self.backend,
-            )
-        if self.backend == backends.GROUPED_MM and single_grouped:
-            make_grouped(self.linear_fc1, self.num_local_experts)
-            make_grouped(self.linear_fc2, self.num_local_experts)
-        elif self.backend == backends.GROUPED_MM:
-            self._fc1_block = backends.gather_into_one_block(self._weights(self.linear_fc1))
-            self._fc2_block = backends.gather_into_one_block(self._weights(self.linear_fc2))
-        elif patch_option(config, "moe_device_tokens_per_expert") and not cap.te_grouped_linear_device_splits():
-            logger.info(
-                "moe_device_tokens_per_expert: TE %s's GroupedLinear takes no m_splits_tensor; "
-                "the TE expert backend copies tokens_per_expert to the host once per layer.",
-                cap.te_version(),
-            )
+
+class _BlockView(torch.autograd.Function):
+    """The [E, out, in] block as one tensor whose gradient goes to the per-expert params."""
+
+    @staticmethod
+    def forward(ctx, block_EOI, *weights):
+        return block_EOI.view(block_EOI.shape)
+
+    @staticmethod
+    def backward(ctx, grad_EOI):
+        return (None, *grad_EOI.unbind(0))
+
+
+def grouped_weight(block_EOI: Optional[torch.Tensor], weights) -> torch.Tensor:
+    """All experts' weights as one differentiable [E, out, in] tensor: a view of the block
+    while the parameters still live in it, otherwise a stacked copy."""
+    if block_EOI is not None and _still_in_block(block_EOI, weights):
+        return _BlockView.apply(block_EOI, *weights)
+    return torch.stack(list(weights))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's
+    backward rejects stride-0 gradients such as the one ``output.sum()`` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_mlp(x_TH, tokens_per_expert_E, probs_T, w1_EOI, w2_EOI, config) -> torch.Tensor:
+    """FC1 -> prob-weighted GLU -> FC2 over all local experts with device offsets."""
+    from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+    # Counts from a dispatcher that keeps them on the host (allgather) go up once.
+    offsets_E = torch.cumsum(tokens_per_expert_E.to(x_TH.device, non_blocking=True), dim=0, dtype=torch.int32)
+    h_TF2 = torch._grouped_mm(x_TH, w1_EOI.transpose(1, 2), offs=offsets_E)
+    weights_T1 = probs_T.unsqueeze(-1)
+    if glu_activation(config) == "swiglu":
+        a_TF = weighted_bias_swiglu_impl(h_TF2, None, weights_T1)
+    else:
+        a_TF = weighted_bias_quick_geglu_impl(
+            h_TF2, None, weights_T1, False, config.glu_linear_offset, config.activation_func_clamp_value
+        )
+    out_TH = torch._grouped_mm(a_TF.to(x_TH.dtype), w2_EOI.transpose(1, 2), offs=offsets_E)
+    return _ContiguousGrad.apply(out_TH)
+
+
+class GroupedMMBackend(ExpertBackend):
+    """Sync-free experts: one torch._grouped_mm per FC over all local experts (bf16)."""
+
+    name = "grouped_mm"
+    holds_single_grouped_params = True
+
+    @classmethod
+    def blocker(cls, config) -> Optional[str]:
+        if not patch_option(config, "moe_device_tokens_per_expert"):
+            return "moe_device_tokens_per_expert is off"
+        if not hasattr(torch, "_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._grouped_mm"
+        if config.fp8 or config.fp4:
+            return "it computes in bf16 only (FP8/FP4 use the TE backend)"
+        if config.params_dtype is not torch.bfloat16:
+            return f"it needs bf16 parameters (params_dtype={config.params_dtype})"
+        if glu_activation(config) is None:
+            return "it supports SwiGLU and quick-GEGLU experts only"
+        if config.add_bias_linear:
+            return "it has no expert biases yet (--disable-bias-linear)"
+        if (config.expert_tensor_parallel_size or 1) > 1:
+            return "expert tensor parallelism > 1"
+        if config.moe_apply_probs_on_input:
+            return "--moe-apply-probs-on-input"
+        if patch_option(config, "use_transformer_engine_op_fuser"):
+            return "the op fuser owns the experts' compute"
+        if config.fine_grained_activation_offloading or (
+            config.recompute_granularity == "selective" and "moe_act" in (config.recompute_modules or [])
+        ):
+            return "activation offloading/recompute of the experts"
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+            return "it needs a Hopper (sm90) or newer GPU"
+        return None
+
+    def __init__(self, experts):
+        super().__init__(experts)
+        self._blocks = {}  # linear -> [E, out, in] block its per-expert weights live in
+        for linear in (experts.linear_fc1, experts.linear_fc2):
+            if patch_option(experts.config, "moe_single_grouped_weight"):
+                make_grouped(linear, experts.num_local_experts)
+            else:
+                self._blocks[linear] = gather_into_one_block(self._weights(linear))
 
     def _weights(self, linear):
-        return [getattr(linear, f"weight{i}") for i in range(self.num_local_experts)]
+        return [getattr(linear, f"weight{i}") for i in range(self.experts.num_local_experts)]
 
-    def _grouped(self, linear, block):
+    def _grouped(self, linear):
         if is_grouped(linear):  # moe_single_grouped_weight: the parameter is the group
             return linear.weight
-        return backends.grouped_weight(block, self._weights(linear))
+        return grouped_weight(self._blocks[linear], self._weights(linear))
 
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        if self.backend == backends.TE:
-            return super().forward(
-                permuted_local_hidden_states, backends.host_tokens_per_expert(tokens_per_expert), permuted_probs
-            )
-        output = backends.grouped_mm_mlp(
-            permuted_local_hidden_states,
-            tokens_per_expert,
-            permuted_probs,
-            self._grouped(self.linear_fc1, self._fc1_block),
-            self._grouped(self.linear_fc2, self._fc2_block),
-            self.config,
+    def forward(self, x_TH, tokens_per_expert_E, probs_T):
+        experts = self.experts
+        out_TH = grouped_mm_mlp(
+            x_TH,
+            tokens_per_expert_E,
+            probs_T,
+            self._grouped(experts.linear_fc1),
+            self._grouped(experts.linear_fc2),
+            experts.config,
         )
-        return output, None
-
-
-def replacements():
-    return [
-        (PaddingAwareTEGroupedMLP, BackendTEGroupedMLP),
-        (PaddedPermuteAlltoAllTokenDispatcher, DeviceSplitsAlltoAllTokenDispatcher),
-    ]
+        return out_TH, None

@@ -11,10 +11,8 @@ Layouts of one expert FC with E local experts: *indexed* (stock TE GroupedLinear
 - Patches: megatron-core's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``
   are replaced by subclasses that run it as a ``load_state_dict`` pre-hook, so stock
   (indexed) experts load grouped checkpoints.
-- ``make_grouped`` turns an indexed module's experts into grouped parameters (used by
-  the grouped_mm backend for ``moe_single_grouped_weight``) and makes its
-  ``state_dict`` present indexed views, so its checkpoints, plain and torch_dist, keep
-  the stock keys.
+- The grouped layout itself (``moe_single_grouped_weight``) is F5:
+  ``single_grouped_params.make_grouped`` installs ``load_pre_hook`` on grouped modules.
 
 Upstream: NVIDIA/Megatron-LM#3890, #4636. The optimizers' map for grouped parameters is
 F7 (grouped_optimizer_state); torch_dist loads check coverage in checkpointing.
@@ -27,13 +25,13 @@ import torch
 PARAM_NAMES = ("weight", "bias")
 
 
+def is_grouped(module) -> bool:
+    return "weight" in module._parameters and "weight0" not in module._parameters
+
+
 class GroupedKeyError(KeyError):
     def __str__(self):  # KeyError would quote the message
         return self.args[0]
-
-
-def is_grouped(module) -> bool:
-    return "weight" in module._parameters and "weight0" not in module._parameters
 
 
 def normalize_grouped_keys(state_dict: Dict, prefix: str, num_gemms: int, grouped: bool) -> List[str]:
@@ -77,37 +75,9 @@ def normalize_grouped_keys(state_dict: Dict, prefix: str, num_gemms: int, groupe
     return [grouped_key for _, grouped_key, _ in plan]
 
 
-def _load_pre_hook(module, state_dict, prefix, *args):
+def load_pre_hook(module, state_dict, prefix, *args):
+    """``load_state_dict`` pre-hook: bring the state dict into the module's own layout."""
     normalize_grouped_keys(state_dict, prefix, module.num_gemms, is_grouped(module))
-
-
-def _indexed_view_hook(module, state_dict, prefix, local_metadata):
-    # state_dict post-hook: a grouped module reports stock per-expert keys (views).
-    for name in PARAM_NAMES:
-        key = prefix + name
-        if key in state_dict:
-            for i, part in enumerate(state_dict.pop(key).detach().unbind(0)):
-                state_dict[f"{prefix}{name}{i}"] = part
-    return state_dict
-
-
-def make_grouped(module, num_gemms: int) -> None:
-    """Replace ``weight{i}``/``bias{i}`` of ``module`` by one grouped parameter each.
-
-    The grouped parameter copies the per-expert parameters' attributes (Megatron's
-    ``allreduce``, ``sequence_parallel``, ... flags). Checkpoints keep the indexed keys.
-    """
-    for name in PARAM_NAMES:
-        keys = [f"{name}{i}" for i in range(num_gemms)]
-        if not all(key in module._parameters for key in keys):
-            continue
-        parts = [module._parameters.pop(key) for key in keys]
-        grouped = torch.nn.Parameter(torch.stack([p.detach() for p in parts]), requires_grad=parts[0].requires_grad)
-        for attr, value in vars(parts[0]).items():
-            setattr(grouped, attr, value)
-        module.register_parameter(name, grouped)
-    module._register_state_dict_hook(_indexed_view_hook)
-    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
 
 
 def _grouped_linear_classes():
@@ -120,7 +90,7 @@ def _grouped_linear_classes():
 def _with_key_conversion(cls):
     def __init__(self, *args, **kwargs):
         cls.__init__(self, *args, **kwargs)
-        self._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+        self._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__,
                                        "__doc__": f"{cls.__name__} that loads grouped or indexed expert keys (F6)."})

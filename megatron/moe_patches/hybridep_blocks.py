@@ -17,7 +17,7 @@ from megatron.core.transformer.moe import fused_a2a
 from megatron.core.transformer.moe.token_dispatcher import _HybridEPManager
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.config import patch_option
+from megatron.moe_patches.fields import patch_option
 
 logger = logging.getLogger(__name__)
 

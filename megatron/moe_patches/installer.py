@@ -29,7 +29,7 @@ _applied: Dict[str, List[Tuple[object, object]]] = {}
 class FeatureStatus:
     id: str
     title: str
-    state: str  # applied | native | skipped | pending | off
+    state: str  # applied | native | skipped | off
     reason: str
     te_ok: Optional[bool]  # None: the feature needs nothing from TE
 
@@ -77,10 +77,6 @@ def _why_not(feature: Feature) -> Optional[FeatureStatus]:
         return FeatureStatus(
             feature.id, feature.title, "native", f"megatron-core {version} has it", te_ok
         )
-    if feature.module is None:
-        return FeatureStatus(
-            feature.id, feature.title, "pending", f"not implemented yet (issue #{feature.issue})", te_ok
-        )
     if not cap.mcore_supported(version):
         low, high = cap.SUPPORTED_MCORE
         return FeatureStatus(
@@ -106,7 +102,7 @@ def _apply_one(feature: Feature) -> None:
     if blocked is not None:
         logger.info("moe_patches: %s", blocked.line())
         return
-    pairs = importlib.import_module(feature.module).replacements()
+    pairs = [pair for module in feature.installs for pair in importlib.import_module(module).replacements()]
     for old, new in pairs:
         rebind_everywhere(old, new)
         cap.note_installed(old, new)
@@ -117,8 +113,8 @@ def _apply_one(feature: Feature) -> None:
 def apply(features: Optional[Sequence[str]] = None) -> List[FeatureStatus]:
     """Install the selected features (default: the whole series), prerequisites first.
 
-    Features megatron-core already has natively, pending ones and those that cannot run
-    here are skipped with a logged reason. Safe to call any number of times.
+    Features megatron-core already has natively and those that cannot run here are
+    skipped with a logged reason. Safe to call any number of times.
     """
     for feature in _selected(features):
         if feature.id not in _applied:
@@ -153,7 +149,7 @@ def is_applied(feature_id: str) -> bool:
 
 
 def status() -> List[FeatureStatus]:
-    """One row per series entry: applied, native, pending, skipped (with why) or off."""
+    """One row per series entry: applied, native, skipped (with why) or off."""
     rows = []
     for feature in SERIES:
         if feature.id in _applied:

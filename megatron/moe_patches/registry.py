@@ -1,11 +1,16 @@
 """The patch series, in order. Start here: every feature is one entry below.
 
-Each entry names the module that implements it (``module``; it exposes
-``replacements()``, the (stock object, patched object) pairs that ``apply()``
-rebinds), its config fields, the upstream pull requests it brings, what it
+Each entry names the module that implements it (``module``), the modules whose
+``replacements()`` (stock object, patched object) pairs ``apply()`` rebinds for it
+(``installs``), its config fields, the upstream pull requests it brings, what it
 needs from Transformer Engine (a capability probe, not a version guess), a
 ``native`` probe that recognises a megatron-core which already has it, its page
-under ``patches/`` and the test that proves it.
+under ``patches/`` and the tests that prove it.
+
+The patched classes: ``config`` (C0), ``dispatchers`` (F1: one class per stock
+dispatcher), ``experts`` (F3: the one experts class; F4, F5 and F8 are its backends and
+options, so they require F3 and install nothing of their own), ``hybridep_blocks`` (F2),
+``grouped_checkpoint_keys`` (F6) and ``grouped_optimizer_state`` (F7).
 """
 
 from dataclasses import dataclass
@@ -25,9 +30,9 @@ class Feature:
     te_probe: Optional[Callable[[], bool]]
     native: Callable[[], bool]
     page: str
-    test: str
-    module: Optional[str]  # None: not implemented yet (see ``issue``)
-    issue: int
+    test: str  # comma-separated paths under tests/
+    module: str
+    installs: Tuple[str, ...]
     requires: Tuple[str, ...] = ("C0",)
 
 
@@ -64,7 +69,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/C0-config-fields.md",
         test="tests/unit/test_config.py, tests/gpu/test_foundation.py",
         module="megatron.moe_patches.config",
-        issue=2,
+        installs=("megatron.moe_patches.config",),
         requires=(),
     ),
     Feature(
@@ -82,8 +87,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F1-fused-permute-pad.md",
         test="tests/gpu/test_fused_permute_pad.py, tests/unit/test_fused_permute_pad.py",
         module="megatron.moe_patches.fused_permute_pad",
-        issue=3,
-        requires=("C0", "F3"),
+        installs=("megatron.moe_patches.dispatchers",),
     ),
     Feature(
         id="F2",
@@ -98,13 +102,13 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F2-hybridep-blocks.md",
         test="tests/unit/test_hybridep_blocks.py",
         module="megatron.moe_patches.hybridep_blocks",
-        issue=3,
+        installs=("megatron.moe_patches.hybridep_blocks",),
     ),
     Feature(
         id="F3",
         title="Skip routed expert padding",
-        changes="skip_routed_expert_padding(config): experts skip their own quantization padding "
-        "when the router or the dispatcher already padded on device.",
+        changes="One padding plan per config (padding_plan): the one experts class skips its own "
+        "quantization padding when the router or the dispatcher already padded on device.",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#4071", "NVIDIA/Megatron-LM#4636"),
         te_requirement="none",
@@ -114,7 +118,8 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F3-skip-routed-padding.md",
         test="tests/unit/test_padding_decision.py, tests/gpu/test_fused_permute_pad.py",
         module="megatron.moe_patches.routed_expert_padding",
-        issue=3,
+        installs=("megatron.moe_patches.experts",),
+        requires=("C0", "F1"),
     ),
     Feature(
         id="F4",
@@ -135,24 +140,28 @@ SERIES: Tuple[Feature, ...] = (
             "use_transformer_engine_op_fuser", "moe_mlp_glu_interleave_size"
         ),
         page="patches/F4-op-fuser-grouped-mlp.md",
-        test="tests/gpu/test_op_fuser_grouped_mlp.py",
+        test="tests/gpu/test_op_fuser_grouped_mlp.py, tests/unit/test_op_fuser_grouped_mlp.py",
         module="megatron.moe_patches.op_fuser_grouped_mlp",
-        issue=4,
-        requires=("C0", "F8"),
+        installs=(),
+        requires=("C0", "F3"),
     ),
     Feature(
         id="F5",
         title="Single grouped expert parameters",
-        changes="Expert weights/biases stored as one [num_experts, ...] parameter per FC.",
+        changes="Expert weights stored as one [num_experts, out, in] parameter per FC (grouped_mm "
+        "backend); refused by name where the chosen backend cannot hold them.",
         fields=("moe_single_grouped_weight", "moe_single_grouped_bias"),
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4219"),
-        te_requirement="te.pytorch.ops.GroupedLinear(single_grouped_weight=...)",
-        te_probe=lambda: cap.te_ops_grouped_linear_has("single_grouped_weight"),
+        te_requirement="none with the grouped_mm backend (the op fuser's grouped-tensor path needs "
+        "cuBLASLt >= 13.4 on Hopper and is refused)",
+        te_probe=None,
         native=lambda: cap.mcore_has_fields("moe_single_grouped_weight", "moe_single_grouped_bias"),
         page="patches/F5-single-grouped-params.md",
-        test="tests/gpu/test_single_grouped_params.py",
-        module=None,
-        issue=4,
+        test="tests/unit/test_single_grouped_params.py, tests/gpu/test_device_splits.py, "
+        "tests/gpu/test_grouped_checkpoint_round_trips.py",
+        module="megatron.moe_patches.single_grouped_params",
+        installs=(),
+        requires=("C0", "F3", "F6"),
     ),
     Feature(
         id="F6",
@@ -168,7 +177,7 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_grouped_checkpoint_keys.py, tests/unit/test_checkpoint_coverage.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py, tests/gpu/test_device_splits.py",
         module="megatron.moe_patches.grouped_checkpoint_keys",
-        issue=5,
+        installs=("megatron.moe_patches.grouped_checkpoint_keys",),
     ),
     Feature(
         id="F7",
@@ -187,7 +196,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F7-distopt-grouped.md",
         test="tests/unit/test_grouped_optimizer_state.py, tests/gpu/test_grouped_checkpoint_round_trips.py",
         module="megatron.moe_patches.grouped_optimizer_state",
-        issue=5,
+        installs=("megatron.moe_patches.grouped_optimizer_state",),
     ),
     Feature(
         id="F8",
@@ -202,8 +211,8 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F8-device-tokens-per-expert.md",
         test="tests/gpu/test_device_splits.py, tests/unit/test_expert_backends.py",
         module="megatron.moe_patches.device_splits",
-        issue=6,
-        requires=("C0", "F1", "F3"),
+        installs=(),
+        requires=("C0", "F3"),
     ),
 )
 

@@ -1,93 +1,113 @@
-"""F3: the experts skip their own quantization padding when the tokens arrive padded.
+"""F3: pad each expert's tokens for quantized GEMMs exactly once, in the right place.
 
-Patches: ``TEGroupedMLP`` (megatron.core.transformer.moe.experts) is replaced by
-``PaddingAwareTEGroupedMLP``, whose ``Fp8Padding``/``Fp8Unpadding`` become
-pass-throughs when ``skip_routed_expert_padding(config)`` says an earlier stage
-already aligned every expert's token count: the router
-(``moe_router_padding_for_quantization``), HybridEP's on-device padding
-(flex dispatcher, hybridep backend) or F1's fused permute+pad. Padding twice costs
-a copy of the activations and a host round trip, and the host-side variant is not
-CUDA-graph safe.
+``padding_plan(config)`` is the one place that decides, from the config and what
+Transformer Engine offers, how many rows each expert's token count must be a multiple
+of and which stage pads:
 
-``quantization_alignment(config)`` is the one place that says how many rows each
-expert's token count must be a multiple of. Upstream: NVIDIA/Megatron-LM#4071.
+- ``router``: megatron-core's router already pads (``moe_router_padding_for_quantization``);
+- ``hybridep``: HybridEP (flex dispatcher, hybridep backend) pads on device;
+- ``permute``: our dispatchers permute straight into the padded layout (F1, fused
+  permute+pad), where TE has the kernel and the dispatcher is alltoall/allgather;
+- ``experts``: the experts pad themselves (TE's Fp8Padding), as stock megatron-core does;
+- ``nobody``: bf16 needs no alignment.
+
+The dispatchers (``dispatchers.py``) and the experts (``experts.py``) both read the plan
+at construction, so the stage that pads and the stage that must not always agree; the
+experts skip their own padding (``skip_routed_expert_padding``) whenever an earlier stage
+aligned the tokens. Padding twice costs a copy of the activations and a host round trip,
+and the host-side variant is not CUDA-graph safe. Upstream: NVIDIA/Megatron-LM#4071.
 """
 
+import logging
+from dataclasses import dataclass
 from typing import Optional
 
-import torch
-from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
-from megatron.moe_patches.config import patch_option
+from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.expert_table import select_backend
+from megatron.moe_patches.fields import log_once
 
-# TE's fused grouped-MLP kernel (SM100) takes quantized groups of 256 rows.
-OP_FUSER_ALIGNMENT = 256
+logger = logging.getLogger(__name__)
+
+NOBODY, ROUTER, HYBRIDEP, PERMUTE, EXPERTS = "nobody", "router", "hybridep", "permute", "experts"
+
+TE_KERNEL_NEEDED = (
+    "Transformer Engine with moe_permute_and_pad_with_probs and moe_unpermute(pad_offsets=) (TE >= 2.14)"
+)
+
+
+@dataclass(frozen=True)
+class PaddingPlan:
+    align: Optional[int]  # rows each expert's token count must be a multiple of; None: no padding
+    padded_by: str  # NOBODY | ROUTER | HYBRIDEP | PERMUTE | EXPERTS
+
+    @property
+    def dispatcher_pads(self) -> bool:
+        """Our dispatchers permute into the padded layout (F1)."""
+        return self.padded_by == PERMUTE
+
+    @property
+    def experts_pad(self) -> bool:
+        return self.padded_by == EXPERTS
 
 
 def quantization_alignment(config) -> Optional[int]:
     """Rows each expert's token count must be a multiple of, or None when nothing needs it.
 
-    FP8/FP4: the recipe's GEMM alignment (16; 32 for MXFP8/FP4), or 256 with the op-fuser
-    grouped MLP (F4) applied and switched on where TE fuses it into its grouped-MLP kernel
-    (every recipe alignment divides 256). TE's basic ops (Hopper) need only the recipe's:
-    256 there pads ~20 % more rows on fine-grained shapes for nothing. bf16 pads nowhere.
+    FP8/FP4: the recipe's GEMM alignment (16; 32 for MXFP8/FP4), unless the experts'
+    backend needs another (the op fuser's 256 where TE fuses the MLP into one kernel;
+    every recipe alignment divides it). bf16 pads nowhere.
     """
-    from megatron.moe_patches import capabilities as cap
-    from megatron.moe_patches.installer import is_applied
-
     if not (config.fp8 or config.fp4):
         return None
-    if (
-        is_applied("F4")
-        and patch_option(config, "use_transformer_engine_op_fuser")
-        and cap.te_fused_grouped_mlp_kernel()
+    return select_backend(config).required_alignment(config) or get_align_size_for_quantization(config)
+
+
+def _fused_permute_pad_blocker(config) -> Optional[str]:
+    """Why our dispatchers cannot permute+pad in one pass for ``config``, or None."""
+    if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+        return f"the {config.moe_token_dispatcher_type} dispatcher pads by its own means"
+    if not config.moe_permute_fusion:
+        return "it needs --moe-permute-fusion"
+    if config.moe_pad_expert_input_to_capacity:
+        return "--moe-pad-expert-input-to-capacity pads to capacity instead"
+    if not (
+        config.moe_grouped_gemm
+        and config.transformer_impl == "transformer_engine"
+        and not config.moe_use_legacy_grouped_gemm
     ):
-        return OP_FUSER_ALIGNMENT
-    return get_align_size_for_quantization(config)
+        return "it needs TE grouped experts (--moe-grouped-gemm, transformer_impl=transformer_engine)"
+    if (config.expert_tensor_parallel_size or 1) > 1:
+        return "expert tensor parallelism > 1 is not supported by it"
+    return None
 
 
-def dispatcher_pads_on_device(config) -> bool:
-    """HybridEP (flex dispatcher, hybridep backend) pads each expert's tokens itself."""
-    return config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "hybridep"
+def padding_plan(config) -> PaddingPlan:
+    """Who pads the routed tokens for quantized experts, and to what alignment."""
+    align = quantization_alignment(config)
+    if align is None:
+        return PaddingPlan(None, NOBODY)
+    if config.moe_router_padding_for_quantization:
+        return PaddingPlan(align, ROUTER)
+    if config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "hybridep":
+        return PaddingPlan(align, HYBRIDEP)
+    reason = _fused_permute_pad_blocker(config)
+    if reason is not None:
+        log_once(logger, logging.INFO, f"F1 fused permute+pad off: {reason}; experts pad themselves.")
+        return PaddingPlan(align, EXPERTS)
+    if not cap.te_fused_permute_pad():
+        log_once(
+            logger,
+            logging.WARNING,
+            f"F1 fused permute+pad needs {TE_KERNEL_NEEDED}; installed TE: {cap.te_version()}. "
+            "Falling back to permute + explicit padding.",
+        )
+        return PaddingPlan(align, EXPERTS)
+    return PaddingPlan(align, PERMUTE)
 
 
 def skip_routed_expert_padding(config) -> bool:
     """Whether the routed experts must leave their input unpadded: an earlier stage aligned it."""
-    from megatron.moe_patches.fused_permute_pad import fused_padding_alignment
-    from megatron.moe_patches.installer import is_applied
-
-    return bool(
-        config.moe_router_padding_for_quantization
-        or dispatcher_pads_on_device(config)
-        or (is_applied("F1") and fused_padding_alignment(config) is not None)
-    )
-
-
-class _AlreadyPadded(torch.nn.Module):
-    """Stands in for TE's Fp8Padding/Fp8Unpadding when the tokens arrive aligned."""
-
-    def forward(self, tokens, tokens_per_expert):
-        return tokens, tokens_per_expert
-
-
-class _AlreadyUnpadded(torch.nn.Module):
-    def forward(self, tokens, tokens_per_expert):
-        return tokens
-
-
-class PaddingAwareTEGroupedMLP(TEGroupedMLP):
-    """TEGroupedMLP that pads only when no earlier stage did (F3)."""
-
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
-        self.skips_quantization_padding = hasattr(self, "quantization_padding") and (
-            skip_routed_expert_padding(config)
-        )
-        if self.skips_quantization_padding:
-            self.quantization_padding = _AlreadyPadded()
-            self.quantization_unpadding = _AlreadyUnpadded()
-
-
-def replacements():
-    return [(TEGroupedMLP, PaddingAwareTEGroupedMLP)]
+    plan = padding_plan(config)
+    return plan.align is not None and not plan.experts_pad

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.moe_patches.functional import run_case
+from megatron.moe_patches.driver.functional import run_case
 
 HERE = Path(__file__).resolve().parent
 CASES = sorted(p.name for p in HERE.iterdir() if (p / "model_config.yaml").is_file())

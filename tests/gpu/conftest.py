@@ -11,6 +11,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 @pytest.fixture(scope="session")
 def single_gpu():
-    from megatron.moe_patches.harness import init_single_gpu
+    from megatron.moe_patches.testing.layer_harness import init_single_gpu
 
     init_single_gpu()

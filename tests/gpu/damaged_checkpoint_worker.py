@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from megatron.moe_patches import checkpointing, training
-from megatron.moe_patches.pretrain import parse_args
+from megatron.moe_patches.driver import checkpointing, training
+from megatron.moe_patches.driver.arguments import parse_args
 
 
 def _bits(tensor):

@@ -17,7 +17,7 @@ def main(out_path):
     rank = start_worker(expert_model_parallel_size=2)
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply, revert
-    from megatron.moe_patches.harness import forward_backward
+    from megatron.moe_patches.testing.layer_harness import forward_backward
     from test_device_splits import kwargs_for, run
 
     results = []
@@ -39,7 +39,7 @@ def main(out_path):
         syncs = [f"{w.filename}:{w.lineno}" for w in caught
                  if "synchronizing" in str(w.message) and "prototype" not in str(w.message)]
         errors = max_rel_error(stock, patched)
-        results.append(dict(rank=rank, case=[experts, topk, tokens], backend=layer.experts.backend,
+        results.append(dict(rank=rank, case=[experts, topk, tokens], backend=layer.experts.backend.name,
                             bitwise=all(torch.equal(stock[n], patched[n]) for n in stock),
                             max_rel=max(errors.values()), host_syncs=len(syncs), where=syncs[:4]))
     finish_worker(results, out_path)

@@ -14,7 +14,7 @@ def main(out_path):
     rank = start_worker(expert_model_parallel_size=2)
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply, revert
-    from megatron.moe_patches.harness import MoEShape, moe_config_kwargs
+    from megatron.moe_patches.testing.layer_harness import MoEShape, moe_config_kwargs
     from test_fused_permute_pad import compare, run_layer
 
     results = []
@@ -30,7 +30,7 @@ def main(out_path):
             dict(
                 rank=rank,
                 case=[precision, experts, topk, tokens],
-                fused=layer.token_dispatcher.pad_align is not None and layer.experts.skips_quantization_padding,
+                fused=layer.token_dispatcher.pad_align is not None and layer.experts.padding_plan.dispatcher_pads,
                 activations=compare(stock, patched, [n for n in stock if "experts." not in n]),
                 expert_wgrads=compare(stock, patched, [n for n in stock if "experts." in n]),
             )

@@ -14,8 +14,8 @@ import sys
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron.moe_patches import training
-from megatron.moe_patches.pretrain import parse_args
+from megatron.moe_patches.driver import training
+from megatron.moe_patches.driver.arguments import parse_args
 
 INDEXED = re.compile(r"^(.*\.(?:weight|bias))(\d+)$")
 

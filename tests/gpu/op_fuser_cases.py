@@ -7,7 +7,7 @@ import megatron.core.transformer.transformer_config as tc_module
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches.glu_interleave import to_concatenated
-from megatron.moe_patches.harness import MoEShape, build_moe_layer, fp8_context, moe_config_kwargs
+from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer, fp8_context, moe_config_kwargs
 
 
 def kwargs_for(activation="swiglu", bias=False, precision="bf16", experts=16, topk=4, **extra):
@@ -79,6 +79,6 @@ def ddp_main_grads(kwargs, fused, tokens, seed, distributed_optimizer=False, int
     output, _ = step(model, layer, hidden, grad)
     model.finish_grad_sync()
     grads = {name: standard_layout(layer, name, p.main_grad.detach().clone()) for name, p in layer.named_parameters()}
-    used_pipeline = getattr(layer.experts, "_ops", None) is not None
+    used_pipeline = getattr(layer.experts.backend, "_ops", None) is not None
     revert()
     return output, grads, used_pipeline

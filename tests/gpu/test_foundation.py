@@ -12,8 +12,9 @@ import torch
 
 import megatron.core.transformer.transformer_config as tc_module
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches.config import PATCH_FIELD_NAMES, PatchedTransformerConfig
-from megatron.moe_patches.harness import MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
+from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches.fields import PATCH_FIELD_NAMES
+from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = MoEShape(hidden=512, moe_ffn=384, experts=16, topk=4)
@@ -58,7 +59,7 @@ def test_defaults_bitwise_identical_to_stock(single_gpu, dispatcher, precision):
 UPSTREAM = os.environ.get("MOE_PATCHES_UPSTREAM_SITE")
 
 
-@pytest.mark.skipif(not UPSTREAM, reason="set MOE_PATCHES_UPSTREAM_SITE to an upstream megatron-core install (kit: WITH_UPSTREAM=1)")
+@pytest.mark.skipif(not UPSTREAM, reason="set MOE_PATCHES_UPSTREAM_SITE to a site dir holding upstream megatron-core 0.19.2")
 def test_upstream_native_features_install_nothing():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([UPSTREAM, os.environ.get("PYTHONPATH", ""), str(ROOT)]))
     code = (

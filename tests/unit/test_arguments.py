@@ -6,14 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.moe_patches.arguments import (
+from megatron.moe_patches.driver.patch_args import (
     CHECKPOINT_RESTORED_ARGS,
     add_moe_patch_args,
     config_kwargs_from_args,
     flag_name,
     restore_args_from_checkpoint,
 )
-from megatron.moe_patches.config import PATCH_FIELD_NAMES, PatchedTransformerConfig
+from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches.fields import PATCH_FIELD_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,16 +37,16 @@ def test_defaults_match_config_defaults():
 def test_args_round_trip_into_config():
     args = parse(
         [
-            "--use-transformer-engine-op-fuser",
             "--moe-mlp-glu-interleave-size", "32",
             "--moe-single-grouped-weight",
             "--moe-device-tokens-per-expert",
         ]
     )
-    assert args.moe_mlp_glu_interleave_size == 32 and args.use_transformer_engine_op_fuser
+    assert args.moe_mlp_glu_interleave_size == 32 and args.moe_single_grouped_weight
     config = PatchedTransformerConfig(
         num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-        moe_ffn_hidden_size=64, moe_grouped_gemm=True, gated_linear_unit=True,
+        moe_ffn_hidden_size=64, moe_grouped_gemm=True, gated_linear_unit=True, add_bias_linear=False,
+        activation_func=torch.nn.functional.silu, bf16=True, params_dtype=torch.bfloat16,
         **config_kwargs_from_args(args),
     )
     for name, value in config_kwargs_from_args(args).items():

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
     TensorStorageMetadata,
 )
 
-from megatron.moe_patches import checkpointing  # noqa: E402
-from megatron.moe_patches.checkpointing import IncompleteCheckpointError, uncovered_tensors  # noqa: E402
+from megatron.moe_patches.driver import checkpointing  # noqa: E402
+from megatron.moe_patches.driver.checkpointing import IncompleteCheckpointError, uncovered_tensors  # noqa: E402
 
 KEY = "decoder.layers.0.mlp.experts.linear_fc1.weight"
 E, OUT, IN = 4, 2, 3

@@ -1,15 +1,11 @@
 import dataclasses
 
 import pytest
+import torch
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-from megatron.moe_patches.config import (
-    DEVICE_SPLITS_ENV_ALIAS,
-    PATCH_FIELD_NAMES,
-    PatchedMLATransformerConfig,
-    PatchedTransformerConfig,
-    patch_option,
-)
+from megatron.moe_patches.config import PatchedMLATransformerConfig, PatchedTransformerConfig
+from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, PATCH_FIELD_NAMES, patch_option
 from megatron.moe_patches.registry import get
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
@@ -48,15 +44,21 @@ def test_defaults_leave_stock_behaviour():
 
 
 def test_valid_combination_constructs():
-    config = build(
-        use_transformer_engine_op_fuser=True,
-        moe_mlp_glu_interleave_size=32,
-        moe_single_grouped_weight=True,
-        moe_single_grouped_bias=True,
-        add_bias_linear=True,
-        moe_device_tokens_per_expert=True,
-    )
-    assert config.moe_single_grouped_weight and config.moe_mlp_glu_interleave_size == 32
+    config = build(use_transformer_engine_op_fuser=True, moe_mlp_glu_interleave_size=32, add_bias_linear=True)
+    assert config.use_transformer_engine_op_fuser and config.moe_mlp_glu_interleave_size == 32
+    # Single grouped weights with the backend that holds them (grouped_mm: bf16, no bias).
+    config = build(moe_single_grouped_weight=True, moe_device_tokens_per_expert=True,
+                   activation_func=torch.nn.functional.silu, bf16=True, params_dtype=torch.bfloat16)
+    assert config.moe_single_grouped_weight
+
+
+def test_single_grouped_weight_refused_where_no_backend_can_hold_it():
+    # The op fuser's grouped-tensor path is not driven; the grouped_mm backend has no bias yet.
+    for overrides in (dict(use_transformer_engine_op_fuser=True),
+                      dict(moe_device_tokens_per_expert=True, add_bias_linear=True)):
+        with pytest.raises(ValueError, match="needs an expert backend that holds grouped parameters"):
+            build(moe_single_grouped_weight=True, activation_func=torch.nn.functional.silu, bf16=True,
+                  params_dtype=torch.bfloat16, **overrides)
 
 
 INVALID = [

@@ -2,9 +2,11 @@ import pytest
 import torch
 
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.moe_patches import device_splits as f8
 from megatron.moe_patches import expert_backends as eb
+from megatron.moe_patches import expert_table
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.device_splits import DeviceSplitsAlltoAllTokenDispatcher
+from megatron.moe_patches.dispatchers import PatchedAlltoAllTokenDispatcher
 
 BASE = dict(
     num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
@@ -22,28 +24,46 @@ def cfg(**overrides):
 
 
 SELECTION = [
-    (dict(), eb.GROUPED_MM, None),
-    (dict(activation_func=quick_gelu), eb.GROUPED_MM, None),
-    (dict(moe_device_tokens_per_expert=False), eb.TE, None),
-    (dict(fp8="e4m3"), eb.TE, "bf16 only"),
-    (dict(params_dtype=torch.float32, bf16=False), eb.TE, "bf16 parameters"),
-    (dict(add_bias_linear=True), eb.TE, "no expert biases"),
-    (dict(gated_linear_unit=False, activation_func=torch.nn.functional.gelu), eb.TE, "SwiGLU and quick-GEGLU"),
-    (dict(activation_func=torch.nn.functional.gelu), eb.TE, "SwiGLU and quick-GEGLU"),
-    (dict(expert_tensor_parallel_size=2), eb.TE, "expert tensor parallelism"),
-    (dict(use_transformer_engine_op_fuser=True), eb.TE, "op fuser"),
-    (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), eb.TE, "recompute"),
+    (dict(), "grouped_mm", None),
+    (dict(activation_func=quick_gelu), "grouped_mm", None),
+    (dict(moe_device_tokens_per_expert=False), "te", "moe_device_tokens_per_expert is off"),
+    (dict(fp8="e4m3"), "te", "bf16 only"),
+    (dict(params_dtype=torch.float32, bf16=False), "te", "bf16 parameters"),
+    (dict(add_bias_linear=True), "te", "no expert biases"),
+    (dict(gated_linear_unit=False, activation_func=torch.nn.functional.gelu), "te", "SwiGLU and quick-GEGLU"),
+    (dict(activation_func=torch.nn.functional.gelu), "te", "SwiGLU and quick-GEGLU"),
+    (dict(expert_tensor_parallel_size=2), "te", "expert tensor parallelism"),
+    (dict(use_transformer_engine_op_fuser=True), "te", "op fuser"),  # no TE here: the op fuser cannot run either
+    (dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True), "te", "--moe-apply-probs-on-input"),
+    (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "te", "recompute"),
 ]
 
 
 @pytest.mark.parametrize("overrides, backend, reason", SELECTION)
-def test_backend_selection(overrides, backend, reason):
-    chosen, why = eb.select_expert_backend(cfg(**overrides))
-    assert chosen == backend
+def test_backend_table_and_selection_agree(overrides, backend, reason):
+    config = cfg(**overrides)
+    assert expert_table.select_backend(config).name == backend
+    support = expert_table.backend_support(config)
+    assert support["te"] is None  # megatron-core's own path runs anything
     if reason is None:
-        assert why is None
+        assert support["grouped_mm"] is None
     else:
-        assert reason in why
+        assert reason in support["grouped_mm"]
+
+
+def test_selection_prefers_the_op_fuser_when_it_can_run(monkeypatch):
+    from megatron.moe_patches.op_fuser_grouped_mlp import OpFuserBackend
+
+    monkeypatch.setattr(OpFuserBackend, "blocker", classmethod(lambda cls, config: None))
+    assert expert_table.select_backend(cfg(use_transformer_engine_op_fuser=True)).name == "op_fuser"
+
+
+def test_single_grouped_refusal_names_every_backend_reason():
+    assert expert_table.single_grouped_refusal(cfg(moe_single_grouped_weight=True)) is None  # grouped_mm holds it
+    with pytest.raises(ValueError) as refused:
+        cfg(moe_single_grouped_weight=True, moe_device_tokens_per_expert=False)
+    message = str(refused.value)
+    assert "moe_single_grouped_weight" in message and "grouped_mm: moe_device_tokens_per_expert is off" in message
 
 
 def test_host_copy_happens_in_one_place(monkeypatch):
@@ -68,30 +88,30 @@ def make_weights(num, out, inp, seed=0):
 def test_block_keeps_parameter_identity_and_aliases_storage():
     weights = make_weights(4, 6, 5)
     ids, values = [id(w) for w in weights], [w.detach().clone() for w in weights]
-    block = eb.gather_into_one_block(weights)
+    block = f8.gather_into_one_block(weights)
     assert [id(w) for w in weights] == ids
     assert all(torch.equal(w, v) for w, v in zip(weights, values))
     weights[2].data.mul_(2)  # an optimizer's in-place update reaches the block
     assert torch.equal(block[2], values[2] * 2)
-    view = eb.grouped_weight(block, weights)
+    view = f8.grouped_weight(block, weights)
     assert view.data_ptr() == block.data_ptr()  # no copy
 
 
 def test_block_view_routes_gradients_to_each_expert():
     weights = make_weights(3, 4, 2)
-    block = eb.gather_into_one_block(weights)
+    block = f8.gather_into_one_block(weights)
     upstream = torch.randn(3, 4, 2)
-    (eb.grouped_weight(block, weights) * upstream).sum().backward()
+    (f8.grouped_weight(block, weights) * upstream).sum().backward()
     for i, w in enumerate(weights):
         assert torch.equal(w.grad, upstream[i])
 
 
 def test_moved_parameter_falls_back_to_a_stacked_copy():
     weights = make_weights(3, 4, 2)
-    block = eb.gather_into_one_block(weights)
+    block = f8.gather_into_one_block(weights)
     weights[1].data = weights[1].data.clone()  # e.g. DDP re-homed it
     weights[1].data.add_(1)
-    grouped = eb.grouped_weight(block, weights)
+    grouped = f8.grouped_weight(block, weights)
     assert grouped.data_ptr() != block.data_ptr()
     assert torch.equal(grouped[1], weights[1].detach())
     grouped.sum().backward()
@@ -106,7 +126,7 @@ def test_grouped_mm_mlp_matches_per_expert_loop():
     probs = torch.rand(tokens)
     w1 = torch.randn(4, 2 * ffn, hidden, dtype=torch.bfloat16) / 4
     w2 = torch.randn(4, hidden, ffn, dtype=torch.bfloat16) / 4
-    out = eb.grouped_mm_mlp(x, counts, probs, w1, w2, cfg()).float()
+    out = f8.grouped_mm_mlp(x, counts, probs, w1, w2, cfg()).float()
     expected, start = [], 0
     for e, c in enumerate(counts.tolist()):
         h = x[start:start + c].float() @ w1[e].float().T
@@ -118,7 +138,7 @@ def test_grouped_mm_mlp_matches_per_expert_loop():
 
 
 def test_dispatcher_drops_only_the_host_count_sync():
-    dispatcher = object.__new__(DeviceSplitsAlltoAllTokenDispatcher)
+    dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)
     dispatcher.device_splits = True
     dispatcher.cuda_sync_point_priority = {
         "before_permutation_1": 0, "before_ep_alltoall": 1, "before_permutation_2": 2,

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.moe_patches.functional import command_args, compare, load_case, parse_metrics, to_golden
+from megatron.moe_patches.driver.functional import command_args, compare, load_case, parse_metrics, to_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG = "\n".join(
@@ -58,7 +58,7 @@ def test_bad_case_is_rejected(tmp_path):
 
 def test_feature_cases_track_the_baseline_curve():
     """Committed goldens: each feature case stays within rel 0.05 of the bf16 baseline."""
-    from megatron.moe_patches.functional import tracking_problems
+    from megatron.moe_patches.driver.functional import tracking_problems
 
     tracked = [p.parent for p in (ROOT / "tests/functional").glob("*/model_config.yaml")
                if load_case(p.parent).get("TRACKS")]
@@ -70,7 +70,7 @@ def test_feature_cases_track_the_baseline_curve():
 def test_tracking_detects_a_diverging_curve(tmp_path):
     import json
 
-    from megatron.moe_patches.functional import tracking_problems
+    from megatron.moe_patches.driver.functional import tracking_problems
 
     for name, values in (("base", {"1": 8.0, "2": 7.0}), ("feature", {"1": 8.1, "2": 7.9})):
         (tmp_path / name).mkdir()

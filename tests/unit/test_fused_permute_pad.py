@@ -5,13 +5,17 @@ import torch
 
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches import fused_permute_pad as f1
-from megatron.moe_patches.fused_permute_pad import (
-    align_up,
-    fused_padding_alignment,
-    reference_permute_and_pad,
-    reference_unpermute_and_unpad,
-)
+from megatron.moe_patches import fields
+from megatron.moe_patches import routed_expert_padding as f3
+from megatron.moe_patches.dispatchers import PatchedAlltoAllTokenDispatcher
+from megatron.moe_patches.fused_permute_pad import align_up
+from megatron.moe_patches.testing.reference import reference_permute_and_pad, reference_unpermute_and_unpad
+
+
+def fused_padding_alignment(config):
+    """The alignment our dispatchers pad to, or None where they run the stock path."""
+    plan = f3.padding_plan(config)
+    return plan.align if plan.dispatcher_pads else None
 
 
 def test_align_up():
@@ -94,8 +98,8 @@ def test_fused_padding_decision(moe_config, te_kernel, overrides, expected):
 
 def test_fallback_without_te_kernel_warns_once(moe_config, monkeypatch, caplog):
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: False)
-    monkeypatch.setattr(f1, "_logged", set())
-    with caplog.at_level(logging.WARNING, logger=f1.__name__):
+    monkeypatch.setattr(fields, "_said", set())
+    with caplog.at_level(logging.WARNING, logger=f3.__name__):
         assert fused_padding_alignment(moe_config(fp8="e4m3")) is None
         assert fused_padding_alignment(moe_config(fp8="e4m3")) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -104,9 +108,10 @@ def test_fallback_without_te_kernel_warns_once(moe_config, monkeypatch, caplog):
 
 def bare_alltoall(config, ep_size, num_local_experts, ep_rank=0):
     """The dispatcher without __init__ (that needs CUDA streams): the attributes preprocess reads."""
-    dispatcher = object.__new__(f1.PaddedPermuteAlltoAllTokenDispatcher)
+    dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)
     dispatcher.config = config
     dispatcher.pad_align = fused_padding_alignment(config)
+    dispatcher.device_splits = dispatcher.skips_chunk_sort = False
     dispatcher.drop_and_pad = False
     dispatcher.ep_size, dispatcher.tp_size, dispatcher.tp_rank = ep_size, 1, 0
     dispatcher.num_experts = config.num_moe_experts

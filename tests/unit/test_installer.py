@@ -41,7 +41,7 @@ def names_bound_to(obj):
 def test_import_changes_nothing():
     code = (
         "import sys, megatron.core.transformer.transformer_config as t; before = t.TransformerConfig;"
-        "import megatron.moe_patches, megatron.moe_patches.arguments, megatron.moe_patches.pretrain;"
+        "import megatron.moe_patches, megatron.moe_patches.driver.arguments, megatron.moe_patches.driver.training;"
         "assert t.TransformerConfig is before; assert not megatron.moe_patches.installer._applied;"
         "print('ok')"
     )
@@ -192,8 +192,8 @@ def test_whole_series_apply_revert_restores_identity(reverted):
     assert {rows[f] for f in ("C0", "F1", "F2", "F3", "F8")} == {"applied"}
     # The classes megatron-core builds by name are now the patched subclasses.
     assert experts.TEGroupedMLP is not stock_classes[0] and issubclass(experts.TEGroupedMLP, stock_classes[0])
-    # F8's dispatcher extends F1's: replacements stack, and revert unwinds both.
-    assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.device_splits"
+    # One patched class per stock dispatcher, carrying F1 and F8 as options.
+    assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.dispatchers"
     assert issubclass(moe_layer.MoEAlltoAllTokenDispatcher, stock_classes[1])
     assert token_dispatcher._HybridEPManager.__module__ == "megatron.moe_patches.hybridep_blocks"
     revert()
@@ -206,7 +206,7 @@ def test_revert_one_feature_keeps_the_others(reverted):
 
     stock_experts = experts.TEGroupedMLP
     apply()
-    revert(["F3"])  # F1 and F8 require F3: all three go, C0 and F2 stay
-    assert not is_applied("F3") and not is_applied("F1") and not is_applied("F8")
-    assert is_applied("C0") and is_applied("F2")
+    revert(["F1"])  # F3 requires F1, and F4, F5, F8 require F3: all go, C0, F2, F6, F7 stay
+    assert not any(is_applied(f) for f in ("F1", "F3", "F4", "F5", "F8"))
+    assert all(is_applied(f) for f in ("C0", "F2", "F6", "F7"))
     assert experts.TEGroupedMLP is stock_experts

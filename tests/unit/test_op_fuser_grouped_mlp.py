@@ -19,13 +19,15 @@ E = 3
 def te_ops_present(monkeypatch):
     monkeypatch.setattr(cap, "te_op_fuser_grouped_mlp", lambda: True)
     monkeypatch.setattr(cap, "te_ops_grouped_linear_has", lambda option: True)
-    monkeypatch.setattr(cap, "_te_attr", lambda path: object())
+    monkeypatch.setattr(cap, "te_attr", lambda path: object())
 
 
 def test_blocker_accepts_plain_swiglu_and_quick_geglu(moe_config, te_ops_present):
-    assert f4.op_fuser_blocker(moe_config(gated_linear_unit=True, activation_func=F.silu)) is None
-    assert f4.op_fuser_blocker(moe_config(gated_linear_unit=True, activation_func=quick_gelu)) is None
-    assert f4.op_fuser_blocker(moe_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True)) is None
+    on = dict(gated_linear_unit=True, use_transformer_engine_op_fuser=True)
+    assert f4.OpFuserBackend.blocker(moe_config(**on, activation_func=F.silu)) is None
+    assert f4.OpFuserBackend.blocker(moe_config(**on, activation_func=quick_gelu)) is None
+    assert f4.OpFuserBackend.blocker(moe_config(**on, activation_func=F.silu, add_bias_linear=True)) is None
+    assert "is off" in f4.OpFuserBackend.blocker(moe_config(gated_linear_unit=True, activation_func=F.silu))
 
 
 @pytest.mark.parametrize("change, words", [
@@ -39,21 +41,23 @@ def test_blocker_accepts_plain_swiglu_and_quick_geglu(moe_config, te_ops_present
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "recompute"),
     (dict(fp4="nvfp4"), "FP4"),
     (dict(fp8="e4m3", fp8_param=True), "FP8 parameters"),
+    (dict(moe_single_grouped_weight=True), "cuBLASLt >= 13.4"),
 ])
 def test_blocker_names_each_unsupported_setting(moe_config, te_ops_present, change, words):
-    config = moe_config(gated_linear_unit=True, activation_func=F.silu)
+    config = moe_config(gated_linear_unit=True, activation_func=F.silu, use_transformer_engine_op_fuser=True)
     for name, value in change.items():  # set after validation: only the decision is tested
         setattr(config, name, value)
-    reason = f4.op_fuser_blocker(config)
+    reason = f4.OpFuserBackend.blocker(config)
     assert reason is not None and words in reason, reason
 
 
 def test_blocker_names_te_gaps(moe_config, monkeypatch, te_ops_present):
-    config = moe_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True)
+    config = moe_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True,
+                        use_transformer_engine_op_fuser=True)
     monkeypatch.setattr(cap, "te_ops_grouped_linear_has", lambda option: option != "scale_bias")
-    assert "FC2 bias" in f4.op_fuser_blocker(config)
+    assert "FC2 bias" in f4.OpFuserBackend.blocker(config)
     monkeypatch.setattr(cap, "te_op_fuser_grouped_mlp", lambda: False)
-    assert "no te.pytorch.ops" in f4.op_fuser_blocker(config)
+    assert "no te.pytorch.ops" in f4.OpFuserBackend.blocker(config)
 
 
 # --- the pipeline, built against a fake te.pytorch.ops -------------------------------------
@@ -110,28 +114,30 @@ class FakeLinear(torch.nn.Module):
 
 
 def experts(config, log, interleave=None):
-    """An OpFuserTEGroupedMLP shell with fake TE linears (its real __init__ needs TE)."""
-    mlp = f4.OpFuserTEGroupedMLP.__new__(f4.OpFuserTEGroupedMLP)
-    torch.nn.Module.__init__(mlp)
+    """The op-fuser backend of an experts shell with fake TE linears (the real experts need TE)."""
+    from megatron.moe_patches.routed_expert_padding import NOBODY, PaddingPlan
+
+    mlp = torch.nn.Module()
     bias = config.add_bias_linear
     mlp.config, mlp.num_local_experts = config, E
     mlp.linear_fc1 = FakeLinear(2 * 6, 4, bias, log, "fc1")
     mlp.linear_fc2 = FakeLinear(4, 6, bias, log, "fc2")
-    mlp._ops, mlp.op_fuser_fallback, mlp.glu_interleave_size = None, None, interleave
-    mlp.skips_quantization_padding = False
-    return mlp
+    mlp.padding_plan = PaddingPlan(None, NOBODY)
+    config.moe_mlp_glu_interleave_size = interleave
+    return f4.OpFuserBackend(mlp)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_pipeline_shares_parameters_and_passes_probs(moe_config, fake_te, bias):
     config = moe_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=bias,
                         use_transformer_engine_op_fuser=True)
-    mlp = experts(config, [], interleave=2)
+    backend = experts(config, [], interleave=2)
+    mlp = backend.experts
     pre_hook_calls = []
     mlp.linear_fc1.register_forward_pre_hook(lambda module, args: pre_hook_calls.append(module))
     x, counts, probs = torch.randn(5, 4), torch.tensor([2, 0, 3]), torch.rand(5)
-    out, out_bias = mlp.forward(x, counts, probs)
-    fc1_op, act, fc2_op = mlp._ops
+    out, out_bias = backend.forward(x, counts, probs)
+    fc1_op, act, fc2_op = backend._ops
     assert torch.equal(out, x * 2) and out_bias is None
     assert type(act).__name__ == "ScaledSwiGLU" and act.glu_interleave_size == 2
     assert fc1_op.shape == (E, 4, 12) and fc2_op.shape == (E, 6, 4)
@@ -142,22 +148,22 @@ def test_pipeline_shares_parameters_and_passes_probs(moe_config, fake_te, bias):
     assert fc1_op.options.get("scale_bias", False) is False
     assert fc2_op.options.get("scale_bias", False) is bias  # FC2's bias is scaled by the probs
     # Extra inputs in op order: FC1 splits, GLU scales, FC2 splits (+ its bias scales).
-    extra = mlp._sequential[0].calls[0]
+    extra = backend._sequential.calls[0]
     assert extra[0] is counts and extra[1] is probs and extra[2] is counts
     assert len(extra) == (4 if bias else 3) and (not bias or extra[3] is probs)
     assert pre_hook_calls == [mlp.linear_fc1]
     # The pipeline is not a submodule: parameters and state dict are the experts' own.
     assert len(list(mlp.parameters())) == len(list(mlp.linear_fc1.parameters())) * 2
-    mlp.forward(x, counts, probs)
-    assert mlp._ops[0] is fc1_op  # built once
+    backend.forward(x, counts, probs)
+    assert backend._ops[0] is fc1_op  # built once
 
 
 def test_quick_geglu_op_gets_clamp_and_offset(moe_config, fake_te):
     config = moe_config(gated_linear_unit=True, activation_func=quick_gelu, glu_linear_offset=1.0,
                         activation_func_clamp_value=7.0, use_transformer_engine_op_fuser=True)
-    mlp = experts(config, [])
-    mlp.forward(torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
-    act = mlp._ops[1]
+    backend = experts(config, [])
+    backend.forward(torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
+    act = backend._ops[1]
     assert type(act).__name__ == "ScaledClampedQGeGLU"
     assert act.options == dict(limit=7.0, alpha=1.702, glu_linear_offset=1.0)
 
@@ -167,11 +173,11 @@ def test_backward_dw_fc2_then_fc1_then_the_original_modules_hooks(moe_config, fa
     config = moe_config(gated_linear_unit=True, activation_func=F.silu, use_transformer_engine_op_fuser=True)
     config.delay_wgrad_compute = delay
     log = []
-    mlp = experts(config, log)
-    mlp.forward(torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
-    for op in mlp._ops[::2]:
+    backend = experts(config, log)
+    backend.forward(torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
+    for op in backend._ops[::2]:
         op.log = log
-    assert mlp._ops[0].options["delay_wgrad_compute"] is delay
-    mlp.backward_dw()
+    assert backend._ops[0].options["delay_wgrad_compute"] is delay
+    backend.backward_dw()
     expected = [("op.backward_dw", 4), ("hooks", "fc2"), ("op.backward_dw", 12), ("hooks", "fc1")]
     assert log == (expected if delay else [])

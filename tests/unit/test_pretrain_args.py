@@ -5,10 +5,10 @@ import pytest
 import torch
 import yaml
 
-from megatron.moe_patches import checkpointing
+from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.pretrain import parse_args, transformer_config_kwargs
-from megatron.moe_patches.recipes import RecipeError, flatten_recipe
+from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs
+from megatron.moe_patches.driver.recipes import RecipeError, flatten_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples/recipes/tiny-moe.yaml")

@@ -1,7 +1,7 @@
 import importlib
 from pathlib import Path
 
-from megatron.moe_patches.config import PATCH_FIELD_NAMES
+from megatron.moe_patches.fields import PATCH_FIELD_NAMES
 from megatron.moe_patches.registry import BY_ID, SERIES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,5 +20,26 @@ def test_every_entry_is_documented_and_points_somewhere_real():
         assert feature.upstream and feature.te_requirement and feature.test
         assert set(feature.fields) <= set(PATCH_FIELD_NAMES), feature.id
         assert all(dep in BY_ID for dep in feature.requires)
-        if feature.module is not None:
-            assert callable(importlib.import_module(feature.module).replacements)
+        importlib.import_module(feature.module)  # the one hop from the registry to the code
+        for module in feature.installs:
+            assert callable(importlib.import_module(module).replacements), module
+
+
+def test_every_proving_test_exists():
+    for feature in SERIES:
+        paths = [p.strip() for p in feature.test.split(",")]
+        missing = [p for p in paths if not (ROOT / p).is_file()]
+        assert not missing, f"{feature.id} names tests that do not exist: {missing}"
+        assert all(p.startswith("tests/") for p in paths), feature.id
+
+
+def test_what_installs_the_experts_also_installs_the_dispatchers():
+    # The experts skip their own padding when the plan gives it to our dispatchers: a feature
+    # that installs the experts class must bring the dispatchers (F1) with it.
+    def closure(feature_id):
+        feature = BY_ID[feature_id]
+        return {feature_id}.union(*(closure(dep) for dep in feature.requires))
+
+    for feature in SERIES:
+        if "megatron.moe_patches.experts" in feature.installs or feature.id in ("F4", "F5", "F8"):
+            assert {"F1", "F3"} <= closure(feature.id), feature.id

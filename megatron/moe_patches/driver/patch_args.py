@@ -12,7 +12,7 @@ import logging
 import typing
 from typing import Dict, List, Literal, NamedTuple, Optional, get_args, get_origin
 
-from megatron.moe_patches.config import PATCH_FIELDS, MoEPatchFields
+from megatron.moe_patches.fields import PATCH_FIELDS, MoEPatchFields
 
 logger = logging.getLogger(__name__)
 

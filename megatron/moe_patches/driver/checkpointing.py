@@ -16,7 +16,7 @@ import argparse
 import os
 from typing import Iterator, List, Optional
 
-from megatron.moe_patches.arguments import restore_args_from_checkpoint
+from megatron.moe_patches.driver.patch_args import restore_args_from_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -62,7 +62,7 @@ def restore_args(args: argparse.Namespace, saved: dict) -> List[str]:
     """Apply a checkpoint's saved args (a dict) to ``args``; return the names that changed.
 
     Model-defining args always come from the checkpoint (the weights fix them); the MoE
-    patch flags follow ``arguments.restore_args_from_checkpoint`` (bools forced).
+    patch flags follow ``patch_args.restore_args_from_checkpoint`` (bools forced).
     """
     before = vars(args).copy()
     for name in MODEL_ARGS:

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--golden", default="golden_values_dev.json")
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args(argv)
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # the repository root (pretrain_gpt.py)
     failed = 0
     for case_dir in args.cases:
         result = run_case(case_dir, root, args.golden, args.record, args.log_dir)

@@ -4,21 +4,24 @@ GPTModel from the TE layer spec (MoE layers when --num-experts is set) with the 
 set applied, Megatron DDP, megatron-core's optimizer (distributed optimizer optional)
 and LR schedule, ``get_forward_backward_func`` (so TP/PP/EP/DP all come from
 megatron-core), mock or indexed GPT data, Megatron-style log lines and torch_dist
-checkpoints. Launch with ``torchrun``; a plain ``python`` run is one rank.
+checkpoints. ``main(argv)`` is pretrain_gpt.py's entry point (also
+``python -m megatron.moe_patches.driver.training``). Launch with ``torchrun``; a plain
+``python`` run is one rank.
 """
 
 import argparse
 import datetime
 import logging
 import os
+import sys
 import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron.moe_patches import checkpointing
-from megatron.moe_patches.pretrain import check_args, params_dtype, transformer_config_kwargs
+from megatron.moe_patches.driver import checkpointing
+from megatron.moe_patches.driver.arguments import check_args, params_dtype, parse_args, transformer_config_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -313,3 +316,13 @@ def pretrain(args: argparse.Namespace) -> None:
     _print_rank0(f"training done: {iteration} iterations in {time.time() - started:.1f} s")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    """pretrain_gpt.py: parse the flags (``--help`` needs no GPU), then train."""
+    pretrain(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing re-imports __main__ in worker processes
+    sys.exit(main())

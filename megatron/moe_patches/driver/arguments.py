@@ -3,8 +3,8 @@
 ``parse_args`` = defaults < ``--yaml-cfg`` recipe < command line, then
 ``check_args`` rejects contradictions with a message naming the flags and the fix.
 ``transformer_config_kwargs`` maps the args to megatron-core's TransformerConfig
-(patched by ``apply()``, so the MoE patch fields are accepted). The training loop is
-``training.pretrain``.
+(patched by ``apply()``, so the MoE patch fields are accepted). The training loop and
+``main`` are in ``driver.training``, which imports this module (never the reverse).
 """
 
 import argparse
@@ -14,8 +14,8 @@ from typing import List, Optional
 
 import torch
 
-from megatron.moe_patches.arguments import add_moe_patch_args, config_kwargs_from_args
-from megatron.moe_patches.recipes import RecipeError, apply_recipe, load_recipe
+from megatron.moe_patches.driver.patch_args import add_moe_patch_args, config_kwargs_from_args
+from megatron.moe_patches.driver.recipes import RecipeError, apply_recipe, load_recipe
 
 
 def _add_standard_args(parser: argparse.ArgumentParser) -> None:
@@ -221,11 +221,3 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         )
     kwargs.update(config_kwargs_from_args(args))
     return kwargs
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from megatron.moe_patches.training import pretrain
-
-    pretrain(args)
-    return 0

@@ -1,0 +1,182 @@
+"""One patched class per stock token dispatcher, its options fixed at construction.
+
+- ``PatchedAllGatherTokenDispatcher``: ``pad_align`` (F1: permute+pad in one pass when
+  ``padding_plan`` gives the dispatcher the padding, else None and the stock path).
+- ``PatchedAlltoAllTokenDispatcher``: ``pad_align`` (F1) and ``device_splits`` (F8:
+  ``tokens_per_expert`` stays on the GPU; with one source rank and no TP the chunk sort
+  by local expert is the identity and is skipped, ``skips_chunk_sort``).
+- The flex dispatcher's patched part is its HybridEP manager (F2, ``hybridep_blocks``);
+  F1 and F8 do not apply to it (HybridEP pads and counts on device itself).
+
+The options are read from the config once, in ``__init__``; the methods below only
+follow them.
+"""
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
+
+from megatron.moe_patches.fields import patch_option
+from megatron.moe_patches.fused_permute_pad import align_up, permute_and_pad, unpermute_and_unpad
+from megatron.moe_patches.routed_expert_padding import padding_plan
+
+
+def _fused_pad_align(config):
+    plan = padding_plan(config)
+    return plan.align if plan.dispatcher_pads else None
+
+
+class PatchedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """AllGather dispatcher whose local permutation pads for quantized experts (F1)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pad_align = _fused_pad_align(self.config)
+        self.pad_offsets = None
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        if self.pad_align is None:
+            return super().dispatch_postprocess(hidden_states, probs)
+        self.hidden_shape_before_permute = hidden_states.shape
+        local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
+        self.local_map = self.routing_map[:, local].contiguous()
+        (
+            permuted_tokens,
+            self.local_probs,
+            self.reversed_local_input_permutation_mapping,
+            self.pad_offsets,
+            padded_tokens_per_expert,
+        ) = permute_and_pad(hidden_states, probs[:, local].contiguous(), self.local_map, self.pad_align)
+        self.routing_map = None
+        # The experts take host counts, as with the stock dispatcher.
+        return permuted_tokens, padded_tokens_per_expert.cpu(), self.local_probs
+
+    def combine_preprocess(self, hidden_states):
+        if self.pad_align is None:
+            return super().combine_preprocess(hidden_states)
+        return unpermute_and_unpad(
+            hidden_states,
+            self.reversed_local_input_permutation_mapping,
+            self.pad_offsets,
+            self.hidden_shape_before_permute,
+        )
+
+
+class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """AlltoAll dispatcher: permutes into per-expert aligned chunks (F1) and hands the
+    experts device-resident token counts (F8).
+
+    F1: all split sizes (all-to-all splits, the receiver's chunk sort, the experts'
+    counts) are the padded ones; each is the stock value with every (rank, expert) count
+    rounded up, so they are derived from the stock metadata, not recomputed.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pad_align = _fused_pad_align(self.config)
+        self.pad_offsets = None
+        self.device_splits = bool(patch_option(self.config, "moe_device_tokens_per_expert"))
+        # One source rank, no TP: sorting chunks by local expert keeps them in place, yet
+        # the stock path still copies all permuted tokens through the sort (both ways).
+        self.skips_chunk_sort = self.device_splits and self.ep_size == 1 and self.tp_size == 1
+
+    # --- F8: counts stay on the device --------------------------------------------------
+
+    def _maybe_update_cuda_sync_point(self, point: str):
+        # "before_finish" exists only to read tokens_per_expert on the host.
+        if self.device_splits and point == "before_finish":
+            return
+        super()._maybe_update_cuda_sync_point(point)
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.device_splits:
+            return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+        super()._maybe_dtoh_and_synchronize(point, None)  # split sizes still go to the host
+        return tokens_per_expert
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if not self.skips_chunk_sort:
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states):
+        if not self.skips_chunk_sort:
+            return super().combine_preprocess(hidden_states)
+        return hidden_states
+
+    # --- F1: permute+pad in one pass ----------------------------------------------------
+
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        tokens_per_local_expert = super().preprocess(routing_map)
+        if self.pad_align is None:
+            return tokens_per_local_expert
+        align = self.pad_align
+        local_counts = routing_map.sum(dim=0).long()
+        # [source rank, local expert] token counts as the stock preprocess derived them.
+        if self.ep_size == 1:
+            per_source = local_counts.view(1, -1)
+        elif self.num_local_experts > 1:
+            per_source = self.num_global_tokens_per_local_expert
+        else:
+            per_source = self.output_splits.view(-1, 1)
+        padded = align_up(per_source, align)
+        if self.ep_size > 1:
+            self.input_splits = align_up(local_counts, align).view(self.ep_size, -1).sum(dim=1)
+            self.output_splits = padded.sum(dim=1)
+            self.output_splits_tp = padded.sum().view(1)
+        if self.num_local_experts > 1:
+            self.num_global_tokens_per_local_expert = padded
+        return padded.sum(dim=0)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        if self.pad_align is None:
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        # The stock method with permute replaced by permute+pad; router padding and
+        # capacity dropping never reach here (padding_plan excludes them).
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        self.routing_map = routing_map
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+            "before_permutation_1", self.tokens_per_expert
+        )
+        self.hidden_shape_before_permute = hidden_states.shape
+        (
+            permuted_tokens,
+            permuted_probs,
+            self.reversed_local_input_permutation_mapping,
+            self.pad_offsets,
+            _,
+        ) = permute_and_pad(hidden_states, probs, routing_map, self.pad_align)
+        return permuted_tokens, permuted_probs
+
+    def combine_postprocess(self, permutated_local_input_tokens):
+        if self.pad_align is None:
+            return super().combine_postprocess(permutated_local_input_tokens)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(permutated_local_input_tokens)
+            self.shared_experts.post_forward_comm()
+        output = unpermute_and_unpad(
+            permutated_local_input_tokens,
+            self.reversed_local_input_permutation_mapping,
+            self.pad_offsets,
+            self.hidden_shape_before_permute,
+        ).view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
+
+
+def replacements():
+    return [
+        (MoEAllGatherTokenDispatcher, PatchedAllGatherTokenDispatcher),
+        (MoEAlltoAllTokenDispatcher, PatchedAlltoAllTokenDispatcher),
+    ]

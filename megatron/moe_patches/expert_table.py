@@ -1,0 +1,60 @@
+"""The one table that answers "can expert backend X run this config here, and if not, why".
+
+Config validation, the experts' construction and the padding plan all read it, so they
+never disagree. ``BACKENDS`` lists the backends in order of preference: the first whose
+``blocker`` says nothing runs the experts; ``te`` (megatron-core's own path) runs anything
+the others cannot.
+"""
+
+import logging
+from typing import Dict, Optional, Tuple, Type
+
+from megatron.moe_patches.device_splits import GroupedMMBackend
+from megatron.moe_patches.expert_backends import ExpertBackend, TEBackend
+from megatron.moe_patches.fields import log_once, patch_option
+from megatron.moe_patches.op_fuser_grouped_mlp import OpFuserBackend
+
+logger = logging.getLogger(__name__)
+
+BACKENDS: Tuple[Type[ExpertBackend], ...] = (OpFuserBackend, GroupedMMBackend, TEBackend)
+
+# The field that asks for each optional backend: a fallback from it is worth a log line.
+_REQUESTED_BY = {
+    OpFuserBackend: "use_transformer_engine_op_fuser",
+    GroupedMMBackend: "moe_device_tokens_per_expert",
+}
+
+
+def backend_support(config) -> Dict[str, Optional[str]]:
+    """Backend name -> None if it can run ``config``, else the reason it cannot."""
+    return {backend.name: backend.blocker(config) for backend in BACKENDS}
+
+
+def select_backend(config) -> Type[ExpertBackend]:
+    """The backend the experts run for ``config``; each fallback from a requested backend
+    is logged once with its reason."""
+    for backend in BACKENDS:
+        reason = backend.blocker(config)
+        if reason is None:
+            return backend
+        field = _REQUESTED_BY.get(backend)
+        if field is not None and patch_option(config, field):
+            level = logging.WARNING if backend is OpFuserBackend else logging.INFO
+            log_once(logger, level, f"{field}: not the {backend.name} expert backend because of {reason}")
+    return TEBackend
+
+
+def single_grouped_refusal(config) -> Optional[str]:
+    """Why ``moe_single_grouped_weight`` / ``_bias`` cannot be honoured for ``config``, or None.
+
+    The one place that refuses it: config validation and the experts' construction call it.
+    """
+    asked = [f for f in ("moe_single_grouped_weight", "moe_single_grouped_bias") if patch_option(config, f)]
+    if not asked or select_backend(config).holds_single_grouped_params:
+        return None
+    reasons = "; ".join(f"{name}: {why}" for name, why in backend_support(config).items() if why)
+    return (
+        f"{'/'.join(asked)}=True needs an expert backend that holds grouped parameters, and none "
+        f"can run this config ({reasons}). Use --moe-device-tokens-per-expert (the grouped_mm "
+        "backend: bf16, SwiGLU/quick-GEGLU, no bias, ETP 1, Hopper) or drop the flag."
+    )

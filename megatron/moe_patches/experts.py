@@ -1,0 +1,71 @@
+"""The one patched experts class: megatron-core's ``TEGroupedMLP`` with a compute backend
+and a padding plan, both chosen once at construction.
+
+- ``self.padding_plan`` (``routed_expert_padding.padding_plan``, F3): the experts pad their
+  tokens themselves only when no earlier stage did, to the alignment the plan names;
+  otherwise TE's Fp8Padding/Fp8Unpadding become pass-throughs.
+- ``self.backend`` (``expert_table.select_backend``): ``te`` (megatron-core's path),
+  ``grouped_mm`` (F8, sync-free) or ``op_fuser`` (F4). It owns ``forward``,
+  ``backward_dw`` and the sharded-state-dict hook.
+- Single grouped parameters (F5) are refused here, by the table's one rule, when the
+  chosen backend cannot hold them.
+
+Installed by F3 (``apply()`` rebinds ``TEGroupedMLP`` to it); F4, F5 and F8 are its
+backends and options and require F3.
+"""
+
+import torch
+from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+from megatron.moe_patches.expert_table import select_backend, single_grouped_refusal
+from megatron.moe_patches.routed_expert_padding import padding_plan
+
+
+class _AlreadyPadded(torch.nn.Module):
+    """Stands in for TE's Fp8Padding when the tokens arrive aligned."""
+
+    def forward(self, tokens, tokens_per_expert):
+        return tokens, tokens_per_expert
+
+
+class _AlreadyUnpadded(torch.nn.Module):
+    def forward(self, tokens, tokens_per_expert):
+        return tokens
+
+
+class PatchedTEGroupedMLP(TEGroupedMLP):
+    """TE grouped experts whose compute backend and padding are fixed at construction."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        refusal = single_grouped_refusal(config)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.padding_plan = padding_plan(config)
+        if hasattr(self, "quantization_padding"):  # FP8/FP4: stock built TE's padding modules
+            self._fit_quantization_padding(num_local_experts)
+        self.backend = select_backend(config)(self)
+
+    def _fit_quantization_padding(self, num_local_experts):
+        if not self.padding_plan.experts_pad:
+            self.quantization_padding = _AlreadyPadded()
+            self.quantization_unpadding = _AlreadyUnpadded()
+        elif self.padding_plan.align != get_align_size_for_quantization(self.config):
+            from transformer_engine.pytorch import Fp8Padding, Fp8Unpadding
+
+            self.quantization_padding = Fp8Padding(num_local_experts, align_size=self.padding_plan.align)
+            self.quantization_unpadding = Fp8Unpadding(num_local_experts, align_size=self.padding_plan.align)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        return self.backend.forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+
+    def backward_dw(self):
+        return self.backend.backward_dw()
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return self.backend.sharded_state_dict(super().sharded_state_dict(prefix, sharded_offsets, metadata))
+
+
+def replacements():
+    return [(TEGroupedMLP, PatchedTEGroupedMLP)]

@@ -1,0 +1,77 @@
+"""The patch set's config fields and how feature code reads them (a leaf: imports nothing
+of this package, so every module may import it).
+
+``MoEPatchFields`` is the dataclass mixin the patched configs inherit (``config.py``);
+``metadata["help"]`` is each field's --help text. Feature code reads a field with
+``patch_option(config, name)``, which also answers for configs built from megatron-core's
+stock classes (they lack the fields: the default applies). ``log_once`` is the one
+"say it once per process" helper the patch modules share.
+"""
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+# The seed (ROCm PR) switches device-resident splits on with this variable.
+DEVICE_SPLITS_ENV_ALIAS = "NVTE_USE_GROUPED_GEMM_TRITON"
+
+
+def _field(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass
+class MoEPatchFields:
+    """The fields this patch set adds; ``metadata["help"]`` is each flag's --help text."""
+
+    use_transformer_engine_op_fuser: bool = _field(
+        False,
+        "Run the TE grouped experts as one transformer_engine.pytorch.ops pipeline "
+        "(FC1 -> router-prob-weighted activation -> FC2).",
+    )
+    moe_mlp_glu_interleave_size: Optional[int] = _field(
+        None,
+        "Store FC1's GLU output rows as alternating gate/linear blocks of this many rows "
+        "(must divide the per-partition MoE FFN size). Default: the concatenated layout.",
+    )
+    moe_single_grouped_weight: bool = _field(
+        False, "Store each expert FC weight as one [num_experts, out, in] grouped parameter."
+    )
+    moe_single_grouped_bias: bool = _field(
+        False, "Store each expert FC bias as one [num_experts, out] grouped parameter."
+    )
+    moe_hybridep_num_blocks_permute: Optional[int] = _field(
+        None, "CUDA thread blocks for the permute fused into HybridEP dispatch (default: HybridEP chooses)."
+    )
+    moe_hybridep_num_blocks_unpermute: Optional[int] = _field(
+        None,
+        "CUDA thread blocks for the unpermute fused into HybridEP combine (default: HybridEP chooses).",
+    )
+    moe_device_tokens_per_expert: bool = _field(
+        False,
+        "Keep tokens_per_expert on the GPU from routing to the expert GEMMs (no host sync where "
+        "the expert backend takes device splits). NVTE_USE_GROUPED_GEMM_TRITON=1 also sets it.",
+    )
+
+
+PATCH_FIELDS = tuple(dataclasses.fields(MoEPatchFields))
+PATCH_FIELD_NAMES = tuple(f.name for f in PATCH_FIELDS)
+
+
+def patch_option(config, name: str):
+    """A patch field's value, or its default for a config built from a stock class."""
+    if name not in PATCH_FIELD_NAMES:
+        raise KeyError(f"{name!r} is not a field of MoEPatchFields")
+    default = next(f.default for f in PATCH_FIELDS if f.name == name)
+    return getattr(config, name, default)
+
+
+_said = set()
+
+
+def log_once(logger: logging.Logger, level: int, message: str) -> None:
+    """Log ``message`` the first time it comes up in this process (layers are built many times)."""
+    if message not in _said:
+        _said.add(message)
+        logger.log(level, message)

@@ -1,0 +1,1 @@
+"""Helpers for the GPU tests and benchmarks; not a patch."""
