@@ -140,7 +140,6 @@ class GroupedMMBackend(ExpertBackend):
         return None
 
     def __init__(self, experts):
-        super().__init__(experts)
         self._blocks = {}  # linear -> [E, out, in] block its per-expert weights live in
         for linear in (experts.linear_fc1, experts.linear_fc2):
             if patch_option(experts.config, "moe_single_grouped_weight"):
@@ -148,16 +147,16 @@ class GroupedMMBackend(ExpertBackend):
             else:
                 self._blocks[linear] = gather_into_one_block(self._weights(linear))
 
-    def _weights(self, linear):
-        return [getattr(linear, f"weight{i}") for i in range(self.experts.num_local_experts)]
+    @staticmethod
+    def _weights(linear):
+        return [getattr(linear, f"weight{i}") for i in range(linear.num_gemms)]
 
     def _grouped(self, linear):
         if is_grouped(linear):  # moe_single_grouped_weight: the parameter is the group
             return linear.weight
         return grouped_weight(self._blocks[linear], self._weights(linear))
 
-    def forward(self, x_TH, tokens_per_expert_E, probs_T):
-        experts = self.experts
+    def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         out_TH = grouped_mm_mlp(
             x_TH,
             tokens_per_expert_E,

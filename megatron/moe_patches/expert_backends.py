@@ -17,7 +17,9 @@ import logging
 from typing import Optional
 
 import torch
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import log_once, patch_option
 
 logger = logging.getLogger(__name__)
@@ -50,8 +52,8 @@ def glu_activation(config) -> Optional[str]:
 class ExpertBackend:
     """The experts' compute. Subclasses override what differs from megatron-core's TE path.
 
-    ``experts`` is the patched TEGroupedMLP that owns this backend; the stock methods it
-    inherits from megatron-core are reached through ``self.stock``.
+    Every method takes ``experts``, the patched TEGroupedMLP that owns this backend (a
+    backend keeps no reference to it: no reference cycle keeps a dropped layer alive).
     """
 
     name = "?"
@@ -68,19 +70,21 @@ class ExpertBackend:
         recipe's own GEMM alignment, else None."""
         return None
 
+    # megatron-core's own methods. apply() rebinds the name TEGroupedMLP to the patched
+    # class everywhere but in this package; stock() also undoes it should this module
+    # ever be imported while the patches are on.
+    stock = cap.stock(TEGroupedMLP)
+
     def __init__(self, experts):
-        from megatron.core.transformer.moe.experts import TEGroupedMLP
+        """Prepare ``experts`` for this backend (parameter layouts); called once."""
 
-        self.experts = experts
-        self.stock = TEGroupedMLP  # the unpatched methods, called with ``experts``
+    def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
+        return self.stock.forward(experts, x_TH, host_tokens_per_expert(tokens_per_expert_E), probs_T)
 
-    def forward(self, x_TH, tokens_per_expert_E, probs_T):
-        return self.stock.forward(self.experts, x_TH, host_tokens_per_expert(tokens_per_expert_E), probs_T)
+    def backward_dw(self, experts):
+        return self.stock.backward_dw(experts)
 
-    def backward_dw(self):
-        return self.stock.backward_dw(self.experts)
-
-    def sharded_state_dict(self, sharded: dict) -> dict:
+    def sharded_state_dict(self, experts, sharded: dict) -> dict:
         """Adjust the stock sharded state dict (layouts held differently in memory)."""
         return sharded
 
@@ -91,9 +95,6 @@ class TEBackend(ExpertBackend):
     name = "te"
 
     def __init__(self, experts):
-        super().__init__(experts)
-        from megatron.moe_patches import capabilities as cap
-
         if patch_option(experts.config, "moe_device_tokens_per_expert") and not cap.te_grouped_linear_device_splits():
             log_once(
                 logger,

@@ -58,13 +58,13 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
             self.quantization_unpadding = Fp8Unpadding(num_local_experts, align_size=self.padding_plan.align)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        return self.backend.forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return self.backend.forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
 
     def backward_dw(self):
-        return self.backend.backward_dw()
+        return self.backend.backward_dw(self)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return self.backend.sharded_state_dict(super().sharded_state_dict(prefix, sharded_offsets, metadata))
+        return self.backend.sharded_state_dict(self, super().sharded_state_dict(prefix, sharded_offsets, metadata))
 
 
 def replacements():

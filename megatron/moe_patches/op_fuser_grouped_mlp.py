@@ -87,7 +87,6 @@ class OpFuserBackend(ExpertBackend):
         return FUSED_KERNEL_ALIGNMENT if cap.te_fused_grouped_mlp_kernel() else None
 
     def __init__(self, experts):
-        super().__init__(experts)
         self._ops = None  # (fc1, activation, fc2) once built; kept out of the module tree
         self.glu_interleave_size = patch_option(experts.config, "moe_mlp_glu_interleave_size")
         if self.glu_interleave_size:
@@ -95,10 +94,9 @@ class OpFuserBackend(ExpertBackend):
 
     # --- the pipeline ---------------------------------------------------------------------
 
-    def _activation_op(self):
+    def _activation_op(self, config):
         import transformer_engine.pytorch as te
 
-        config = self.experts.config
         if glu_activation(config) == "swiglu":
             return te.ops.ScaledSwiGLU(glu_interleave_size=self.glu_interleave_size)
         clamp = config.activation_func_clamp_value
@@ -109,11 +107,10 @@ class OpFuserBackend(ExpertBackend):
             glu_linear_offset=float(config.glu_linear_offset),
         )
 
-    def _grouped_linear_op(self, linear, scale_bias: bool):
+    def _grouped_linear_op(self, experts, linear, scale_bias: bool):
         """A meta-device ops.GroupedLinear holding ``linear``'s own parameters."""
         import transformer_engine.pytorch as te
 
-        experts = self.experts
         out_features, in_features = linear.weight0.shape
         bias = experts.config.add_bias_linear
         options = dict(scale_bias=True) if scale_bias and bias else {}
@@ -133,28 +130,27 @@ class OpFuserBackend(ExpertBackend):
             op.register_parameter(f"bias{i}", getattr(linear, f"bias{i}", None) if bias else None)
         return op
 
-    def _pipeline(self):
+    def _pipeline(self, experts):
         import transformer_engine.pytorch as te
 
         if self._ops is None:
-            experts = self.experts
             self._ops = (
-                self._grouped_linear_op(experts.linear_fc1, scale_bias=False),
-                self._activation_op(),
-                self._grouped_linear_op(experts.linear_fc2, scale_bias=True),
+                self._grouped_linear_op(experts, experts.linear_fc1, scale_bias=False),
+                self._activation_op(experts.config),
+                self._grouped_linear_op(experts, experts.linear_fc2, scale_bias=True),
             )
             self._sequential = te.ops.Sequential(*self._ops)
         return self._sequential
 
-    def _run_forward_pre_hooks(self, hidden):
+    @staticmethod
+    def _run_forward_pre_hooks(experts, hidden):
         # The pipeline bypasses linear_fc{1,2}.forward; DDP's param all-gather waits there.
-        for linear in (self.experts.linear_fc1, self.experts.linear_fc2):
+        for linear in (experts.linear_fc1, experts.linear_fc2):
             for hook in linear._forward_pre_hooks.values():
                 hook(linear, (hidden,))
 
-    def forward(self, x_TH, tokens_per_expert_E, probs_T):
-        experts = self.experts
-        pipeline = self._pipeline()
+    def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
+        pipeline = self._pipeline(experts)
         counts_E = tokens_per_expert_E
         pads = experts.padding_plan.experts_pad
         if pads:
@@ -162,28 +158,28 @@ class OpFuserBackend(ExpertBackend):
             x_TH, padded = experts.quantization_padding(x_TH, actual)
             probs_T = experts.quantization_padding(probs_T.unsqueeze(-1), actual)[0].squeeze(-1)
             counts_E = torch.tensor(padded, dtype=torch.int64)
-        self._run_forward_pre_hooks(x_TH)
+        self._run_forward_pre_hooks(experts, x_TH)
         extra = (counts_E, probs_T, counts_E) + ((probs_T,) if experts.config.add_bias_linear else ())
         out_TH = pipeline(x_TH, *extra)
         if pads:
             out_TH = experts.quantization_unpadding(out_TH, actual)
         return out_TH, None
 
-    def sharded_state_dict(self, sharded: dict) -> dict:
+    def sharded_state_dict(self, experts, sharded: dict) -> dict:
         if not self.glu_interleave_size:
             return sharded
-        fc1_params = {id(p) for p in self.experts.linear_fc1.parameters()}
+        fc1_params = {id(p) for p in experts.linear_fc1.parameters()}
         for key, entry in sharded.items():
             if id(getattr(entry, "data", None)) in fc1_params:
                 sharded[key] = concatenated_factory(entry, self.glu_interleave_size)
         return sharded
 
-    def backward_dw(self):
+    def backward_dw(self, experts):
         if self._ops is None:
-            return super().backward_dw()
-        if not self.experts.config.delay_wgrad_compute:
+            return super().backward_dw(experts)
+        if not experts.config.delay_wgrad_compute:
             return
         fc1_op, _, fc2_op = self._ops
-        for op, linear in ((fc2_op, self.experts.linear_fc2), (fc1_op, self.experts.linear_fc1)):
+        for op, linear in ((fc2_op, experts.linear_fc2), (fc1_op, experts.linear_fc1)):
             op.backward_dw()
             linear._trigger_wgrad_accumulation_and_reduce_hooks()

@@ -32,7 +32,7 @@ def run_layer(config, tokens=1024):
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp8", marks=pytest.mark.quick)])
 def test_defaults_bitwise_identical_to_stock(single_gpu, dispatcher, precision):
     kwargs = moe_config_kwargs(SMALL, precision, moe_token_dispatcher_type=dispatcher)
     revert()

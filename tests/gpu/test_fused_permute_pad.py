@@ -27,7 +27,7 @@ def random_routing(num_tokens, num_experts, topk, seed, empty_experts=0):
 KERNEL_CASES = [  # tokens, experts, topk, empty experts, align
     (300, 8, 1, 0, 16),
     (300, 8, 2, 2, 16),
-    (1000, 64, 8, 5, 16),
+    pytest.param(1000, 64, 8, 5, 16, marks=pytest.mark.quick),
     (257, 128, 8, 17, 32),
     (128, 8, 1, 0, 16),  # routing below puts exactly 16 tokens on each expert: no padding
 ]
@@ -109,7 +109,7 @@ LAYER_CASES = [  # precision, dispatcher, experts, topk, tokens, routing
     ("fp8-tensorwise", "alltoall", 8, 2, 1000, None),
     ("fp8-tensorwise", "alltoall", 64, 8, 1000, None),
     ("fp8-tensorwise", "alltoall", 128, 8, 512, None),
-    ("fp8-tensorwise", "alltoall", 128, 1, 200, None),  # most experts get no token
+    pytest.param("fp8-tensorwise", "alltoall", 128, 1, 200, None, marks=pytest.mark.quick),  # most experts get no token
     ("fp8-tensorwise", "allgather", 64, 2, 1000, None),
     ("fp8-delayed", "alltoall", 64, 8, 1000, None),
     ("fp8-delayed", "allgather", 8, 1, 700, None),

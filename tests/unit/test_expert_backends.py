@@ -153,3 +153,46 @@ def test_dispatcher_drops_only_the_host_count_sync():
     dispatcher.cuda_sync_point = "no_sync"
     dispatcher._maybe_update_cuda_sync_point("before_finish")
     assert dispatcher.cuda_sync_point == "before_finish"
+
+
+def test_te_backend_calls_megatron_cores_own_methods_while_applied(reverted):
+    # The TE backend runs the stock TEGroupedMLP methods; reaching the patched class instead
+    # would recurse into the backend forever.
+    import importlib
+
+    from megatron.core.transformer.moe import experts as mcore_experts
+    from megatron.moe_patches import apply
+
+    stock = mcore_experts.TEGroupedMLP
+    apply(["F3"])
+    assert mcore_experts.TEGroupedMLP is not stock
+    assert eb.TEBackend.stock is stock
+    assert importlib.reload(eb).TEBackend.stock is stock  # even when imported while applied
+
+
+def test_a_dropped_layer_is_freed_without_the_garbage_collector():
+    # Backends keep no reference to their experts: no cycle keeps a dropped layer's memory.
+    import gc
+    import weakref
+
+    class Linear(torch.nn.Module):
+        num_gemms = 2
+
+        def __init__(self):
+            super().__init__()
+            for i in range(self.num_gemms):
+                self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 3)))
+
+    gc.collect()
+    gc.disable()
+    try:
+        for backend_class in expert_table.BACKENDS:
+            owner = torch.nn.Module()
+            owner.config = cfg()
+            owner.num_local_experts, owner.linear_fc1, owner.linear_fc2 = 2, Linear(), Linear()
+            owner.backend = backend_class(owner)
+            alive = weakref.ref(owner)
+            del owner
+            assert alive() is None, backend_class.name
+    finally:
+        gc.enable()

@@ -124,19 +124,18 @@ def experts(config, log, interleave=None):
     mlp.linear_fc2 = FakeLinear(4, 6, bias, log, "fc2")
     mlp.padding_plan = PaddingPlan(None, NOBODY)
     config.moe_mlp_glu_interleave_size = interleave
-    return f4.OpFuserBackend(mlp)
+    return mlp, f4.OpFuserBackend(mlp)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_pipeline_shares_parameters_and_passes_probs(moe_config, fake_te, bias):
     config = moe_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=bias,
                         use_transformer_engine_op_fuser=True)
-    backend = experts(config, [], interleave=2)
-    mlp = backend.experts
+    mlp, backend = experts(config, [], interleave=2)
     pre_hook_calls = []
     mlp.linear_fc1.register_forward_pre_hook(lambda module, args: pre_hook_calls.append(module))
     x, counts, probs = torch.randn(5, 4), torch.tensor([2, 0, 3]), torch.rand(5)
-    out, out_bias = backend.forward(x, counts, probs)
+    out, out_bias = backend.forward(mlp, x, counts, probs)
     fc1_op, act, fc2_op = backend._ops
     assert torch.equal(out, x * 2) and out_bias is None
     assert type(act).__name__ == "ScaledSwiGLU" and act.glu_interleave_size == 2
@@ -154,15 +153,15 @@ def test_pipeline_shares_parameters_and_passes_probs(moe_config, fake_te, bias):
     assert pre_hook_calls == [mlp.linear_fc1]
     # The pipeline is not a submodule: parameters and state dict are the experts' own.
     assert len(list(mlp.parameters())) == len(list(mlp.linear_fc1.parameters())) * 2
-    backend.forward(x, counts, probs)
+    backend.forward(mlp, x, counts, probs)
     assert backend._ops[0] is fc1_op  # built once
 
 
 def test_quick_geglu_op_gets_clamp_and_offset(moe_config, fake_te):
     config = moe_config(gated_linear_unit=True, activation_func=quick_gelu, glu_linear_offset=1.0,
                         activation_func_clamp_value=7.0, use_transformer_engine_op_fuser=True)
-    backend = experts(config, [])
-    backend.forward(torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
+    mlp, backend = experts(config, [])
+    backend.forward(mlp, torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
     act = backend._ops[1]
     assert type(act).__name__ == "ScaledClampedQGeGLU"
     assert act.options == dict(limit=7.0, alpha=1.702, glu_linear_offset=1.0)
@@ -173,11 +172,11 @@ def test_backward_dw_fc2_then_fc1_then_the_original_modules_hooks(moe_config, fa
     config = moe_config(gated_linear_unit=True, activation_func=F.silu, use_transformer_engine_op_fuser=True)
     config.delay_wgrad_compute = delay
     log = []
-    backend = experts(config, log)
-    backend.forward(torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
+    mlp, backend = experts(config, log)
+    backend.forward(mlp, torch.randn(2, 4), torch.tensor([1, 1, 0]), torch.rand(2))
     for op in backend._ops[::2]:
         op.log = log
     assert backend._ops[0].options["delay_wgrad_compute"] is delay
-    backend.backward_dw()
+    backend.backward_dw(mlp)
     expected = [("op.backward_dw", 4), ("hooks", "fc2"), ("op.backward_dw", 12), ("hooks", "fc1")]
     assert log == (expected if delay else [])
