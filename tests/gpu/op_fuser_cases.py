@@ -35,7 +35,7 @@ def make_config(kwargs, fused, interleave=None, delay=False):
 
 def standard_layout(layer, name, tensor):
     """A parameter-shaped tensor of ``layer`` in the checkpoint (concatenated GLU) layout."""
-    size = getattr(layer.experts, "glu_interleave_size", None)
+    size = getattr(layer.experts.backend, "glu_interleave_size", None)
     if size and name.startswith("experts.linear_fc1."):
         return to_concatenated(tensor, size)
     return tensor

@@ -30,7 +30,7 @@ LAYOUTS = {
     "sequential": [],  # SequentialMLP: the tiny recipe without --moe-grouped-gemm (see recipe_for)
 }
 # (X, Y, next-step losses bitwise equal): equal where both layouts run the same kernels.
-PAIRS = [pytest.param("indexed", "grouped", True, marks=pytest.mark.quick), ("te", "grouped", False), ("te", "op_fuser", False),
+PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuser", False),
          ("op_fuser", "interleave", False), ("grouped", "sequential", False)]
 LOSS_RTOL = 0.02  # other kernels (bf16 rounding) one step after a bitwise-equal state
 
@@ -174,7 +174,7 @@ def damaged_copy(a_root, dest, damage):
     return expected
 
 
-@pytest.mark.parametrize("layout", ["te", pytest.param("grouped", marks=pytest.mark.quick)])
+@pytest.mark.parametrize("layout", ["te", "grouped"])
 def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, trained, tmp_path, layout):
     a_root, _ = trained(layout)
     missing, mis_shaped = tmp_path / "missing_expert", tmp_path / "mis_shaped"
@@ -195,7 +195,7 @@ def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, trained, tm
     assert not intact_later["unchanged"]
 
 
-@pytest.mark.parametrize("layout", ["te", "grouped"])
+@pytest.mark.parametrize("layout", ["te", pytest.param("grouped", marks=pytest.mark.quick)])
 def test_main_params_load_from_a_state_dict_in_the_other_layout(single_gpu, tmp_path, layout):
     """reload_model_params(state_dict) (--load-main-params-from-ckpt): fp32 main params of
     indexed experts from a grouped state dict and the reverse, bitwise."""
