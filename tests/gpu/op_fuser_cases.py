@@ -35,7 +35,7 @@ def make_config(kwargs, fused, interleave=None, delay=False):
 
 def standard_layout(layer, name, tensor):
     """A parameter-shaped tensor of ``layer`` in the checkpoint (concatenated GLU) layout."""
-    size = getattr(layer.experts.backend, "glu_interleave_size", None)
+    size = getattr(getattr(layer.experts, "backend", None), "glu_interleave_size", None)
     if size and name.startswith("experts.linear_fc1."):
         return to_concatenated(tensor, size)
     return tensor
@@ -79,6 +79,6 @@ def ddp_main_grads(kwargs, fused, tokens, seed, distributed_optimizer=False, int
     output, _ = step(model, layer, hidden, grad)
     model.finish_grad_sync()
     grads = {name: standard_layout(layer, name, p.main_grad.detach().clone()) for name, p in layer.named_parameters()}
-    used_pipeline = getattr(layer.experts.backend, "_ops", None) is not None
+    used_pipeline = getattr(getattr(layer.experts, "backend", None), "_ops", None) is not None
     revert()
     return output, grads, used_pipeline

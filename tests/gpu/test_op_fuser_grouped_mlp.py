@@ -34,7 +34,7 @@ def run(kwargs, fused, interleave=None, delay=False, seed=11):
     for name, param in layer.named_parameters():
         assert param.grad is not None, f"{name} got no gradient"
         tensors[f"grad:{name}"] = standard_layout(layer, name, param.grad.detach().clone())
-    info = dict(fused_pipeline=getattr(layer.experts.backend, "_ops", None) is not None, unfused_fc1_calls=len(fc1_calls))
+    info = dict(fused_pipeline=getattr(getattr(layer.experts, "backend", None), "_ops", None) is not None, unfused_fc1_calls=len(fc1_calls))
     revert()
     return tensors, state, info
 
