@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -118,8 +119,15 @@ def tracking_problems(case_dir, golden_name: str = "golden_values_dev.json") -> 
     return problems
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _run(case: dict, extra: List[str], root: Path, log_path: Path) -> str:
-    env = dict(os.environ, **{k: str(v) for k, v in case["ENV_VARS"].items()})
+    # A port of its own: the calling process may hold MASTER_PORT's (a test's process group).
+    env = dict(os.environ, MASTER_PORT=str(free_port()), **{k: str(v) for k, v in case["ENV_VARS"].items()})
     cmd = [sys.executable, str(root / "pretrain_gpt.py"), *command_args(case["MODEL_ARGS"]), *extra]
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     log_path.write_text(run.stdout + run.stderr)
