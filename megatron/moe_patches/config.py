@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.moe_patches.expert_table import single_grouped_refusal
-from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, MoEPatchFields
+from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, PATCH_FIELDS, MoEPatchFields, log_once
 
 logger = logging.getLogger(__name__)
+
+BOOL_FIELDS = tuple(f.name for f in PATCH_FIELDS if f.type in (bool, "bool"))
 
 
 def validate_moe_patch_config(config) -> None:
@@ -30,6 +32,12 @@ def validate_moe_patch_config(config) -> None:
     Runs at config construction, so a bad recipe fails before any GPU work.
     """
     errors = []
+    for name in BOOL_FIELDS:  # 1 or "false" would read as True/False by accident
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            errors.append(f"{name}={value!r} must be True or False.")
+    if errors:  # the checks below read these fields as booleans
+        raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
     is_moe = config.num_moe_experts is not None
     te_grouped_experts = (
         is_moe
@@ -102,20 +110,36 @@ def validate_moe_patch_config(config) -> None:
                 f"or unset {name}."
             )
 
-    if config.moe_device_tokens_per_expert and not (is_moe and config.moe_grouped_gemm):
+    if config.moe_device_tokens_per_expert and not _has_grouped_experts(config):
         errors.append(
-            "moe_device_tokens_per_expert=True (or NVTE_USE_GROUPED_GEMM_TRITON=1) applies to "
-            "grouped experts only: set num_moe_experts and moe_grouped_gemm=True."
+            "moe_device_tokens_per_expert=True applies to grouped experts only: set "
+            "num_moe_experts and moe_grouped_gemm=True, or drop --moe-device-tokens-per-expert."
         )
 
     if errors:
         raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
 
 
+def _has_grouped_experts(config) -> bool:
+    return config.num_moe_experts is not None and bool(config.moe_grouped_gemm)
+
+
 def _resolve_env_aliases(config) -> None:
-    if not config.moe_device_tokens_per_expert and os.environ.get(DEVICE_SPLITS_ENV_ALIAS) == "1":
-        logger.info("%s=1: setting moe_device_tokens_per_expert=True", DEVICE_SPLITS_ENV_ALIAS)
+    """The seed's variable is a process-wide switch (TE reads it per GEMM): it turns
+    moe_device_tokens_per_expert on where it can apply, grouped experts, and leaves dense
+    layers and SequentialMLP experts alone, saying so once."""
+    if config.moe_device_tokens_per_expert or os.environ.get(DEVICE_SPLITS_ENV_ALIAS) != "1":
+        return
+    if _has_grouped_experts(config):
+        log_once(logger, logging.INFO, f"{DEVICE_SPLITS_ENV_ALIAS}=1: setting moe_device_tokens_per_expert=True")
         config.moe_device_tokens_per_expert = True
+    else:
+        log_once(
+            logger,
+            logging.INFO,
+            f"{DEVICE_SPLITS_ENV_ALIAS}=1 ignored for a config without grouped experts "
+            "(dense layers, SequentialMLP experts): moe_device_tokens_per_expert stays off.",
+        )
 
 
 class _AcceptsStockInstances(type):

@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.registry import SERIES, Feature, get
@@ -58,10 +58,17 @@ def rebind_everywhere(old: object, new: object) -> int:
     return count
 
 
-def _selected(features: Optional[Iterable[str]]) -> List[Feature]:
+def _ids(features: Union[str, Iterable[str]]) -> set:
+    """Feature ids from "F4", "F1,F4" or an iterable of ids; an unknown id raises KeyError."""
+    if isinstance(features, str):  # iterating "F4" would give "F" and "4"
+        features = features.split(",")
+    return {get(feature_id.strip()).id for feature_id in features}
+
+
+def _selected(features: Optional[Union[str, Iterable[str]]]) -> List[Feature]:
     if features is None:
         return list(SERIES)
-    wanted = {get(feature_id).id for feature_id in features}  # raises on an unknown id
+    wanted = _ids(features)
     return [feature for feature in SERIES if feature.id in wanted]
 
 
@@ -110,7 +117,7 @@ def _apply_one(feature: Feature) -> None:
     logger.info("moe_patches: applied %s (%s)", feature.id, feature.title)
 
 
-def apply(features: Optional[Sequence[str]] = None) -> List[FeatureStatus]:
+def apply(features: Optional[Union[str, Sequence[str]]] = None) -> List[FeatureStatus]:
     """Install the selected features (default: the whole series), prerequisites first.
 
     Features megatron-core already has natively and those that cannot run here are
@@ -122,7 +129,7 @@ def apply(features: Optional[Sequence[str]] = None) -> List[FeatureStatus]:
     return status()
 
 
-def revert(features: Optional[Sequence[str]] = None) -> None:
+def revert(features: Optional[Union[str, Sequence[str]]] = None) -> None:
     """Undo apply() for the selected features (default: all), last applied first.
 
     Reverting a feature also reverts every applied feature that requires it.
@@ -130,7 +137,7 @@ def revert(features: Optional[Sequence[str]] = None) -> None:
     if features is None:
         targets = set(_applied)
     else:
-        targets = {get(feature_id).id for feature_id in features}
+        targets = _ids(features)
         grew = True
         while grew:  # dependents of dependents go too
             dependents = {f.id for f in SERIES if set(f.requires) & targets} - targets

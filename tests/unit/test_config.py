@@ -126,10 +126,32 @@ def test_env_alias_switches_device_splits(monkeypatch):
     assert build().moe_device_tokens_per_expert is False
 
 
-def test_env_alias_is_validated_too(monkeypatch):
+def test_env_alias_applies_only_to_grouped_experts(monkeypatch):
+    # Dense layers and SequentialMLP experts ignore the process-wide switch; the explicit
+    # field still refuses them.
     monkeypatch.setenv(DEVICE_SPLITS_ENV_ALIAS, "1")
-    with pytest.raises(ValueError, match="NVTE_USE_GROUPED_GEMM_TRITON"):
-        PatchedTransformerConfig(**BASE)
+    assert PatchedTransformerConfig(**BASE).moe_device_tokens_per_expert is False
+    assert build(moe_grouped_gemm=False).moe_device_tokens_per_expert is False
+    assert build().moe_device_tokens_per_expert is True
+    with pytest.raises(ValueError, match="moe_device_tokens_per_expert=True applies to grouped experts"):
+        PatchedTransformerConfig(**BASE, moe_device_tokens_per_expert=True)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("moe_single_grouped_weight", 1),
+    ("use_transformer_engine_op_fuser", "false"),
+    ("moe_device_tokens_per_expert", None),
+])
+def test_boolean_fields_take_booleans(name, value):
+    with pytest.raises(ValueError, match=f"{name}={value!r} must be True or False"):
+        build(**{name: value})
+
+
+@pytest.mark.parametrize("value", [True, 0, -3, 2.0])
+def test_hybridep_block_counts_are_positive_integers(value):
+    with pytest.raises(ValueError, match="moe_hybridep_num_blocks_permute=.* must be a positive integer"):
+        build(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+              moe_hybridep_num_blocks_permute=value)
 
 
 def test_mla_subclass_validates_once_and_stays_mla():

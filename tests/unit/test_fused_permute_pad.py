@@ -168,3 +168,21 @@ def test_alltoall_unpadded_when_inactive(moe_config, te_kernel):
     dispatcher = bare_alltoall(moe_config(), ep_size=1, num_local_experts=8)  # bf16
     assert dispatcher.pad_align is None
     assert dispatcher.preprocess(routing_for([5, 0, 3, 1, 1, 1, 1, 1])).tolist() == [5, 0, 3, 1, 1, 1, 1, 1]
+
+
+def test_alltoall_padded_metadata_ep2_one_local_expert(moe_config, te_kernel, monkeypatch):
+    """EP=2 with one expert per rank: the split sizes come from output_splits, not the
+    per-expert matrix (megatron-core keeps none with one local expert)."""
+    config = moe_config(fp8="e4m3", num_moe_experts=2)
+    mine, other_rank = [5, 17], torch.tensor([20, 3])
+
+    def fake_allgather(tensor, group=None, **kwargs):
+        return torch.cat([tensor, other_rank])
+
+    monkeypatch.setattr(token_dispatcher, "gather_from_sequence_parallel_region", fake_allgather)
+    dispatcher = bare_alltoall(config, ep_size=2, num_local_experts=1)
+    tokens_per_expert = dispatcher.preprocess(routing_for(mine))
+    assert dispatcher.input_splits.tolist() == [16, 32]  # my 5 for expert 0, my 17 for expert 1
+    assert dispatcher.output_splits.tolist() == [16, 32]  # expert 0 gets 5 from me, 20 from rank 1
+    assert dispatcher.output_splits_tp.tolist() == [48]
+    assert tokens_per_expert.tolist() == [48]

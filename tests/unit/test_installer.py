@@ -128,6 +128,15 @@ def test_unknown_feature_id_is_an_error():
         apply(["F99"])
 
 
+def test_a_string_names_features_not_characters(reverted):
+    apply("F2")
+    assert is_applied("F2") and is_applied("C0") and not is_applied("F4")
+    revert("F2")
+    assert not is_applied("F2") and is_applied("C0")
+    apply("C0, F6")
+    assert is_applied("F6")
+
+
 def test_untested_megatron_core_version_is_skipped(reverted, monkeypatch):
     from packaging.version import Version
 
