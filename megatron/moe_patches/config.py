@@ -94,16 +94,19 @@ def validate_moe_patch_config(config) -> None:
                 "--expert-tensor-parallel-size 1 or drop --use-transformer-engine-op-fuser."
             )
 
+    hybridep = config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "hybridep"
+    if config.moe_permute_fusion_into_hybridep and not hybridep:
+        errors.append(
+            "moe_permute_fusion_into_hybridep=True only applies to the HybridEP dispatcher: set "
+            "moe_token_dispatcher_type='flex' and moe_flex_dispatcher_backend='hybridep', or unset it."
+        )
     for name in ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute"):
         blocks = getattr(config, name)
         if blocks is None:
             continue
         if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks <= 0:
             errors.append(f"{name}={blocks!r} must be a positive integer, or None to let HybridEP choose.")
-        elif not (
-            config.moe_token_dispatcher_type == "flex"
-            and config.moe_flex_dispatcher_backend == "hybridep"
-        ):
+        elif not hybridep:
             errors.append(
                 f"{name} only applies to the HybridEP dispatcher: set "
                 "moe_token_dispatcher_type='flex' and moe_flex_dispatcher_backend='hybridep', "

@@ -48,6 +48,11 @@ class MoEPatchFields:
         None,
         "CUDA thread blocks for the unpermute fused into HybridEP combine (default: HybridEP chooses).",
     )
+    moe_permute_fusion_into_hybridep: bool = _field(
+        False,
+        "Fuse the permute into HybridEP's dispatch and the unpermute into its combine (flex "
+        "dispatcher, hybridep backend; needs a deep_ep whose HybridEP takes fuse_permute_dispatch).",
+    )
     moe_device_tokens_per_expert: bool = _field(
         False,
         "Keep tokens_per_expert on the GPU from routing to the expert GEMMs (no host sync where "

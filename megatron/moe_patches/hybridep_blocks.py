@@ -1,13 +1,20 @@
-"""F2: HybridEP's permute/unpermute thread-block counts from the config.
+"""F2: HybridEP's permute/unpermute fused into dispatch/combine, and their thread blocks.
 
 Patches: ``_HybridEPManager`` (megatron.core.transformer.moe.token_dispatcher, the
 flex dispatcher's HybridEP backend) is replaced by a subclass that creates the
-shared HybridEP buffer itself before the first dispatch, passing
-``moe_hybridep_num_blocks_permute`` / ``moe_hybridep_num_blocks_unpermute`` when the
-installed deep_ep's ``HybridEPBuffer`` accepts them. megatron-core 0.16.1 creates
-that buffer lazily inside ``fused_a2a`` with no way to pass them. ``None`` leaves the
-choice to HybridEP; a deep_ep without the parameters gets one warning and the stock
-call. Upstream: NVIDIA/Megatron-LM#4073 (dev), #4089 (main).
+shared HybridEP buffer itself before the first dispatch (megatron-core 0.16.1 creates
+it lazily inside ``fused_a2a`` with no way to configure it):
+
+- ``moe_hybridep_num_blocks_permute`` / ``moe_hybridep_num_blocks_unpermute`` go to the
+  buffer's constructor (CUDA thread blocks of the permute; ``None`` lets HybridEP choose);
+- ``moe_permute_fusion_into_hybridep`` makes every ``dispatch_with_permute`` /
+  ``combine_with_unpermute`` call (forward and backward, made by megatron-core's own
+  autograd functions) ask for the fused kernels (``fuse_permute_dispatch`` /
+  ``fuse_unpermute_combine``), through a thin wrapper around the buffer.
+
+Each is passed only when the installed deep_ep accepts it (probed on the callable);
+otherwise one warning and the stock call. Upstream: NVIDIA/Megatron-LM#4073 (dev),
+#4089 (main).
 """
 
 import logging
@@ -49,13 +56,54 @@ def hybridep_block_kwargs(config, buffer_class) -> dict:
     return wanted
 
 
+class FusedPermuteBuffer:
+    """A HybridEP buffer whose dispatch/combine also permute/unpermute, in one kernel each."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def __getattr__(self, name):  # everything else is the buffer's own
+        return getattr(self.buffer, name)
+
+    def dispatch_with_permute(self, *args, **kwargs):
+        return self.buffer.dispatch_with_permute(*args, fuse_permute_dispatch=True, **kwargs)
+
+    def combine_with_unpermute(self, *args, **kwargs):
+        return self.buffer.combine_with_unpermute(*args, fuse_unpermute_combine=True, **kwargs)
+
+
+def fuses_permute(buffer) -> bool:
+    """Whether ``buffer``'s dispatch/combine take the permute-fusion switches."""
+    return cap.accepts_parameter(getattr(buffer, "dispatch_with_permute", None), "fuse_permute_dispatch") and (
+        cap.accepts_parameter(getattr(buffer, "combine_with_unpermute", None), "fuse_unpermute_combine")
+    )
+
+
+def with_permute_fusion(config, buffer):
+    """``buffer``, wrapped to fuse permute/unpermute when the config asks and deep_ep can."""
+    if not patch_option(config, "moe_permute_fusion_into_hybridep") or isinstance(buffer, FusedPermuteBuffer):
+        return buffer
+    if not fuses_permute(buffer):
+        warnings.warn(
+            "moe_permute_fusion_into_hybridep is set but the installed deep_ep's HybridEP "
+            "dispatch_with_permute/combine_with_unpermute take no fuse_permute_dispatch/"
+            "fuse_unpermute_combine; permute and unpermute run unfused. Upgrade deep_ep to fuse them.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return buffer
+    return FusedPermuteBuffer(buffer)
+
+
 def ensure_hybridep_buffer(a2a, config, group, hidden_states, num_local_experts) -> None:
-    """Create ``a2a``'s shared HybridEP buffer (as fused_a2a would) with the block counts.
+    """Create ``a2a``'s shared HybridEP buffer (as fused_a2a would) with the block counts,
+    wrapped for permute fusion when asked.
 
     ``a2a`` is the ``fused_a2a`` module (a parameter so tests can pass a stand-in).
-    Does nothing once the buffer exists.
+    An existing buffer is kept (only wrapped, once, when the fusion is asked for).
     """
     if a2a._hybrid_ep_buffer is not None:
+        a2a._hybrid_ep_buffer = with_permute_fusion(config, a2a._hybrid_ep_buffer)
         return
     max_tokens, hidden_dim = hidden_states.shape[-2:]
     a2a._hybrid_ep_buffer = a2a.HybridEPBuffer(
@@ -68,6 +116,7 @@ def ensure_hybridep_buffer(a2a, config, group, hidden_states, num_local_experts)
         num_sms_combine_api=config.moe_hybridep_num_sms,
         **hybridep_block_kwargs(config, a2a.HybridEPBuffer),
     )
+    a2a._hybrid_ep_buffer = with_permute_fusion(config, a2a._hybrid_ep_buffer)
 
 
 class HybridEPBlocksManager(_HybridEPManager):

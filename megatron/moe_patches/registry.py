@@ -52,6 +52,7 @@ _PATCH_FIELDS = (
     "moe_single_grouped_bias",
     "moe_hybridep_num_blocks_permute",
     "moe_hybridep_num_blocks_unpermute",
+    "moe_permute_fusion_into_hybridep",
     "moe_device_tokens_per_expert",
 )
 
@@ -91,14 +92,20 @@ SERIES: Tuple[Feature, ...] = (
     ),
     Feature(
         id="F2",
-        title="HybridEP permute/unpermute block counts",
-        changes="Passes moe_hybridep_num_blocks_permute/_unpermute to HybridEP's fused "
-        "dispatch/combine when the installed deep_ep accepts them.",
-        fields=("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute"),
+        title="HybridEP permute/unpermute fusion and block counts",
+        changes="moe_permute_fusion_into_hybridep fuses permute/unpermute into HybridEP's "
+        "dispatch/combine; moe_hybridep_num_blocks_permute/_unpermute set their thread blocks; "
+        "each passed when the installed deep_ep accepts it.",
+        fields=(
+            "moe_permute_fusion_into_hybridep",
+            "moe_hybridep_num_blocks_permute",
+            "moe_hybridep_num_blocks_unpermute",
+        ),
         upstream=("NVIDIA/Megatron-LM#4073", "NVIDIA/Megatron-LM#4089"),
-        te_requirement="none (deep_ep HybridEPBuffer(num_blocks_permute=...))",
+        te_requirement="none (deep_ep HybridEPBuffer(num_blocks_permute=...), "
+        "dispatch_with_permute(fuse_permute_dispatch=...))",
         te_probe=None,
-        native=lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute"),
+        native=lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute", "moe_permute_fusion_into_hybridep"),
         page="patches/F2-hybridep-blocks.md",
         test="tests/unit/test_hybridep_blocks.py",
         module="megatron.moe_patches.hybridep_blocks",

@@ -81,6 +81,7 @@ def test_restore_list_forces_bools_only():
         "use_transformer_engine_op_fuser",
         "moe_single_grouped_weight",
         "moe_single_grouped_bias",
+        "moe_permute_fusion_into_hybridep",
         "moe_device_tokens_per_expert",
     }
 

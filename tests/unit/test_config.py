@@ -174,3 +174,11 @@ def test_patch_option_defaults_for_stock_config():
     assert patch_option(build(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size") == 32
     with pytest.raises(KeyError):
         patch_option(build(), "not_a_field")
+
+
+def test_permute_fusion_into_hybridep_needs_the_hybridep_dispatcher():
+    with pytest.raises(ValueError, match="moe_permute_fusion_into_hybridep=True only applies to the HybridEP"):
+        build(moe_permute_fusion_into_hybridep=True)
+    config = build(moe_permute_fusion_into_hybridep=True, moe_token_dispatcher_type="flex",
+                   moe_flex_dispatcher_backend="hybridep")
+    assert config.moe_permute_fusion_into_hybridep

@@ -157,6 +157,7 @@ class NewerTransformerConfig(TransformerConfig):
     moe_single_grouped_bias: bool = False
     moe_hybridep_num_blocks_permute: Optional[int] = None
     moe_hybridep_num_blocks_unpermute: Optional[int] = None
+    moe_permute_fusion_into_hybridep: bool = False
     moe_device_tokens_per_expert: bool = False
 
 
@@ -186,7 +187,7 @@ def test_cli_status_lists_every_entry():
         text=True,
         check=True,
     )
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    rows = json.loads(out.stdout)["features"]  # one JSON document, the rows under "features"
     assert [r["id"] for r in rows] == [f.id for f in installer.SERIES]
     assert rows[0]["state"] == "applied"
     assert all(r["upstream"] for r in rows)
