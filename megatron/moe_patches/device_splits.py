@@ -10,9 +10,10 @@ With ``moe_device_tokens_per_expert`` (or ``NVTE_USE_GROUPED_GEMM_TRITON=1``):
 - the experts run this module's ``GroupedMMBackend`` where it can (``blocker``): FC1
   and FC2 as one ``torch._grouped_mm`` each over all local experts, with device offsets
   (no host sync), and megatron-core's fused router-prob-weighted SwiGLU / quick-GEGLU
-  between them. bf16 only. It reads the experts' existing ``linear_fc{1,2}.weight{i}``
+  between them; expert biases as the TE experts apply them (FC2's scaled by the router
+  prob). bf16 only. It reads the experts' existing ``linear_fc{1,2}.weight{i}`` / ``bias{i}``
   parameters, so state dicts stay those of stock TE experts; with
-  ``moe_single_grouped_weight`` it holds one [E, out, in] parameter per FC instead (F5).
+  ``moe_single_grouped_weight`` / ``_bias`` it holds one [E, ...] parameter per FC instead (F5).
   Elsewhere the TE backend copies the counts to the host once.
 
 The allgather dispatcher keeps its host counts. Upstream: ROCm/Megatron-LM (seed 004,
@@ -86,14 +87,31 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_mm_mlp(x_TH, tokens_per_expert_E, probs_T, w1_EOI, w2_EOI, config) -> torch.Tensor:
-    """FC1 -> prob-weighted GLU -> FC2 over all local experts with device offsets."""
+def expert_of_row(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[rows] index of the expert each row belongs to, from the groups' end offsets (on the
+    device, no host sync). Rows past the last group (unused) count as the last expert's."""
+    rows_T = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype)
+    return torch.searchsorted(offsets_E, rows_T, right=True).clamp_(max=offsets_E.numel() - 1)
+
+
+def grouped_mm_mlp(
+    x_TH, tokens_per_expert_E, probs_T, w1_EOI, w2_EOI, config, b1_EO=None, b2_EO=None
+) -> torch.Tensor:
+    """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
+    device offsets: the TE experts' math (FC2's bias is scaled by the router prob, as
+    megatron-core's TEGroupedMLP applies it)."""
     from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
     from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
     # Counts from a dispatcher that keeps them on the host (allgather) go up once.
     offsets_E = torch.cumsum(tokens_per_expert_E.to(x_TH.device, non_blocking=True), dim=0, dtype=torch.int32)
     h_TF2 = torch._grouped_mm(x_TH, w1_EOI.transpose(1, 2), offs=offsets_E)
+    if b1_EO is not None or b2_EO is not None:
+        expert_T = expert_of_row(offsets_E, x_TH.shape[0])
+    # Biases are gathered per row in fp32: the add rounds once (as TE's GEMM epilogue does)
+    # and each expert's bias gradient sums its rows in fp32 before the one cast back.
+    if b1_EO is not None:
+        h_TF2 = (h_TF2 + b1_EO.float()[expert_T]).to(h_TF2.dtype)
     weights_T1 = probs_T.unsqueeze(-1)
     if glu_activation(config) == "swiglu":
         a_TF = weighted_bias_swiglu_impl(h_TF2, None, weights_T1)
@@ -101,8 +119,10 @@ def grouped_mm_mlp(x_TH, tokens_per_expert_E, probs_T, w1_EOI, w2_EOI, config) -
         a_TF = weighted_bias_quick_geglu_impl(
             h_TF2, None, weights_T1, False, config.glu_linear_offset, config.activation_func_clamp_value
         )
-    out_TH = torch._grouped_mm(a_TF.to(x_TH.dtype), w2_EOI.transpose(1, 2), offs=offsets_E)
-    return _ContiguousGrad.apply(out_TH)
+    out_TH = _ContiguousGrad.apply(torch._grouped_mm(a_TF.to(x_TH.dtype), w2_EOI.transpose(1, 2), offs=offsets_E))
+    if b2_EO is not None:
+        out_TH = (out_TH + b2_EO.float()[expert_T] * weights_T1).to(x_TH.dtype)
+    return out_TH
 
 
 class GroupedMMBackend(ExpertBackend):
@@ -123,8 +143,6 @@ class GroupedMMBackend(ExpertBackend):
             return f"it needs bf16 parameters (params_dtype={config.params_dtype})"
         if glu_activation(config) is None:
             return "it supports SwiGLU and quick-GEGLU experts only"
-        if config.add_bias_linear:
-            return "it has no expert biases yet (--disable-bias-linear)"
         if (config.expert_tensor_parallel_size or 1) > 1:
             return "expert tensor parallelism > 1"
         if config.moe_apply_probs_on_input:
@@ -140,29 +158,33 @@ class GroupedMMBackend(ExpertBackend):
         return None
 
     def __init__(self, experts):
-        self._blocks = {}  # linear -> [E, out, in] block its per-expert weights live in
+        config = experts.config
+        held = ("weight", "bias") if config.add_bias_linear else ("weight",)
+        grouped = {
+            "weight": patch_option(config, "moe_single_grouped_weight"),
+            "bias": patch_option(config, "moe_single_grouped_bias"),
+        }
+        self._blocks = {}  # (linear, name) -> the [E, ...] block its per-expert parameters live in
         for linear in (experts.linear_fc1, experts.linear_fc2):
-            if patch_option(experts.config, "moe_single_grouped_weight"):
-                make_grouped(linear, experts.num_local_experts)
-            else:
-                self._blocks[linear] = gather_into_one_block(self._weights(linear))
+            make_grouped(linear, experts.num_local_experts, [n for n in held if grouped[n]])
+            for name in held:
+                if not grouped[name]:
+                    self._blocks[linear, name] = gather_into_one_block(self._params(linear, name))
+        self._biases = config.add_bias_linear
 
     @staticmethod
-    def _weights(linear):
-        return [getattr(linear, f"weight{i}") for i in range(linear.num_gemms)]
+    def _params(linear, name="weight"):
+        return [getattr(linear, f"{name}{i}") for i in range(linear.num_gemms)]
 
-    def _grouped(self, linear):
-        if is_grouped(linear):  # moe_single_grouped_weight: the parameter is the group
-            return linear.weight
-        return grouped_weight(self._blocks[linear], self._weights(linear))
+    def _grouped(self, linear, name="weight"):
+        if is_grouped(linear, name):  # moe_single_grouped_weight/_bias: the parameter is the group
+            return getattr(linear, name)
+        return grouped_weight(self._blocks[linear, name], self._params(linear, name))
 
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
+        fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+        biases = (self._grouped(fc1, "bias"), self._grouped(fc2, "bias")) if self._biases else (None, None)
         out_TH = grouped_mm_mlp(
-            x_TH,
-            tokens_per_expert_E,
-            probs_T,
-            self._grouped(experts.linear_fc1),
-            self._grouped(experts.linear_fc2),
-            experts.config,
+            x_TH, tokens_per_expert_E, probs_T, self._grouped(fc1), self._grouped(fc2), experts.config, *biases
         )
         return out_TH, None

@@ -18,15 +18,20 @@ Upstream: NVIDIA/Megatron-LM#3890, #4636. The optimizers' map for grouped parame
 F7 (grouped_optimizer_state); torch_dist loads check coverage in checkpointing.
 """
 
-from typing import Dict, List
+from typing import Collection, Dict, List, Union
 
 import torch
 
 PARAM_NAMES = ("weight", "bias")
 
 
-def is_grouped(module) -> bool:
-    return "weight" in module._parameters and "weight0" not in module._parameters
+def is_grouped(module, name: str = "weight") -> bool:
+    """Whether ``module`` holds ``name`` (weight or bias) as one grouped parameter."""
+    return name in module._parameters and f"{name}0" not in module._parameters
+
+
+def grouped_names(module) -> set:
+    return {name for name in PARAM_NAMES if is_grouped(module, name)}
 
 
 class GroupedKeyError(KeyError):
@@ -34,13 +39,17 @@ class GroupedKeyError(KeyError):
         return self.args[0]
 
 
-def normalize_grouped_keys(state_dict: Dict, prefix: str, num_gemms: int, grouped: bool) -> List[str]:
+def normalize_grouped_keys(
+    state_dict: Dict, prefix: str, num_gemms: int, grouped: Union[bool, Collection[str]]
+) -> List[str]:
     """Rewrite ``state_dict`` (in place) into the indexed or grouped layout; return what changed.
 
-    Nothing is modified when any check fails: all conversions are planned first.
+    ``grouped``: True/False for every parameter name, or the names (weight, bias) held
+    grouped. Nothing is modified when any check fails: all conversions are planned first.
     """
     plan = []
     for name in PARAM_NAMES:
+        name_grouped = grouped if isinstance(grouped, bool) else name in grouped
         grouped_key = prefix + name
         indexed_keys = [f"{prefix}{name}{i}" for i in range(num_gemms)]
         present = [key for key in indexed_keys if key in state_dict]
@@ -50,7 +59,7 @@ def normalize_grouped_keys(state_dict: Dict, prefix: str, num_gemms: int, groupe
                 f"ambiguous checkpoint: both {grouped_key} and {present[0]}.. are present; "
                 "keep one layout"
             )
-        if grouped and present:
+        if name_grouped and present:
             if len(present) != num_gemms:
                 missing = [key for key in indexed_keys if key not in state_dict]
                 raise GroupedKeyError(f"incomplete expert set for {grouped_key}: missing {missing}")
@@ -58,7 +67,7 @@ def normalize_grouped_keys(state_dict: Dict, prefix: str, num_gemms: int, groupe
             if len(shapes) != 1:
                 raise GroupedKeyError(f"expert tensors for {grouped_key} differ in shape: {sorted(shapes)}")
             plan.append(("stack", grouped_key, indexed_keys))
-        elif not grouped and has_grouped:
+        elif not name_grouped and has_grouped:
             tensor = state_dict[grouped_key]
             if tensor.dim() < 1 or tensor.shape[0] != num_gemms:
                 raise GroupedKeyError(
@@ -77,7 +86,7 @@ def normalize_grouped_keys(state_dict: Dict, prefix: str, num_gemms: int, groupe
 
 def load_pre_hook(module, state_dict, prefix, *args):
     """``load_state_dict`` pre-hook: bring the state dict into the module's own layout."""
-    normalize_grouped_keys(state_dict, prefix, module.num_gemms, is_grouped(module))
+    normalize_grouped_keys(state_dict, prefix, module.num_gemms, grouped_names(module))
 
 
 def _grouped_linear_classes():

@@ -29,13 +29,14 @@ def _indexed_view_hook(module, state_dict, prefix, local_metadata):
     return state_dict
 
 
-def make_grouped(module, num_gemms: int) -> None:
-    """Replace ``weight{i}``/``bias{i}`` of ``module`` by one grouped parameter each.
+def make_grouped(module, num_gemms: int, names=PARAM_NAMES) -> None:
+    """Replace ``{name}{i}`` of ``module`` by one grouped parameter ``{name}``, for each of
+    ``names`` (weight, bias) that it holds.
 
     The grouped parameter copies the per-expert parameters' attributes (Megatron's
     ``allreduce``, ``sequence_parallel``, ... flags). Checkpoints keep the indexed keys.
     """
-    for name in PARAM_NAMES:
+    for name in names:
         keys = [f"{name}{i}" for i in range(num_gemms)]
         if not all(key in module._parameters for key in keys):
             continue

@@ -50,9 +50,14 @@ CASES = [  # activation, experts, topk, tokens
 ]
 
 
-@pytest.mark.parametrize("activation, experts, topk, tokens", CASES)
-def test_grouped_mm_backend_matches_stock(single_gpu, activation, experts, topk, tokens):
+@pytest.mark.parametrize("activation, experts, topk, tokens", CASES + [
+    pytest.param("swiglu", 64, 8, 1000, id="bias-swiglu-64-8-1000"),
+    pytest.param("quick_geglu", 128, 1, 200, id="bias-quick_geglu-128-1-200"),
+])
+def test_grouped_mm_backend_matches_stock(single_gpu, request, activation, experts, topk, tokens):
     kwargs = kwargs_for(experts, topk, activation)
+    if "bias" in request.node.callspec.id:  # expert biases: FC1's added, FC2's scaled by the prob
+        kwargs["add_bias_linear"] = True
     revert()
     _, stock = run(tc_module.TransformerConfig(**kwargs), tokens)
     try:
@@ -113,7 +118,7 @@ def test_state_dicts_load_both_ways(single_gpu):
         assert set(layer.state_dict()) == set(stock_layer.state_dict())
         layer.load_state_dict(stock_layer.state_dict())
         backend = layer.experts.backend
-        assert f8._still_in_block(backend._blocks[layer.experts.linear_fc1], backend._weights(layer.experts.linear_fc1))
+        assert f8._still_in_block(backend._blocks[layer.experts.linear_fc1, "weight"], backend._params(layer.experts.linear_fc1))
         hidden = torch.randn(512, 1, 256, device="cuda", dtype=torch.bfloat16)
         patched_out, _ = forward_backward(layer, hidden)
         for param in layer.parameters():  # move away from the stock weights, then back
@@ -165,6 +170,30 @@ def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_
         exact[fc] = all(torch.equal(stock[f"grad:experts.{fc}.weight{i}"], grouped_grad[i]) for i in range(16))
     print(json.dumps({"single_grouped_weight_bitwise": exact}))
     assert all(exact.values()), exact
+
+
+def test_single_grouped_bias_holds_the_biases_and_keeps_stock_checkpoints(single_gpu):
+    kwargs = dict(kwargs_for(16, 2, "swiglu"), add_bias_linear=True)
+    revert()
+    stock_layer, stock = run(tc_module.TransformerConfig(**kwargs), 800)
+    try:
+        apply()
+        config = tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True,
+                                             moe_single_grouped_weight=True, moe_single_grouped_bias=True)
+        layer, patched = run(config, 800)
+        fc2 = layer.experts.linear_fc2
+        assert tuple(fc2.bias.shape) == (16, 256) and "bias0" not in dict(fc2.named_parameters())
+        assert set(layer.state_dict()) == set(stock_layer.state_dict())
+        assert torch.equal(layer.state_dict()["experts.linear_fc2.bias3"], stock_layer.state_dict()["experts.linear_fc2.bias3"])
+    finally:
+        revert()
+    for fc in ("linear_fc1", "linear_fc2"):
+        patched.update({f"grad:experts.{fc}.bias{i}": patched[f"grad:experts.{fc}.bias"][i] for i in range(16)})
+        patched.update({f"grad:experts.{fc}.weight{i}": patched[f"grad:experts.{fc}.weight"][i] for i in range(16)})
+    errors = max_rel_error(stock, {k: patched[k] for k in stock})
+    worst = max(errors, key=errors.get)
+    print(json.dumps({"case": "single grouped weight+bias", "max_rel": errors[worst], "worst": worst}))
+    assert errors[worst] <= TOLERANCE, (worst, errors[worst])
 
 
 def test_grouped_mm_padded_rows_cost_nothing_and_change_nothing(single_gpu):

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.moe_patches.driver.builtin_recipes import recipe_path
+
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ["--yaml-cfg", "examples/recipes/tiny-moe.yaml", "--lr-decay-iters", "100", "--deterministic-mode",
+BASE = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100", "--deterministic-mode",
         "--dist-ckpt-optim-fully-reshardable", "--log-interval", "1"]
 STEPS = 4
 LAYOUTS = {
@@ -28,10 +30,15 @@ LAYOUTS = {
     "op_fuser": ["--use-transformer-engine-op-fuser"],
     "interleave": ["--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32"],
     "sequential": [],  # SequentialMLP: the tiny recipe without --moe-grouped-gemm (see recipe_for)
+    "te_bias": [],  # stock TE experts with biases (see recipe_for)
+    "grouped_bias": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight", "--moe-single-grouped-bias"],
 }
+# Recipe lines a layout drops: store_true flags of the tiny recipe it must not have.
+DROPPED_RECIPE_LINES = {"sequential": "moe-grouped-gemm:", "te_bias": "disable-bias-linear:",
+                        "grouped_bias": "disable-bias-linear:"}
 # (X, Y, next-step losses bitwise equal): equal where both layouts run the same kernels.
 PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuser", False),
-         ("op_fuser", "interleave", False), ("grouped", "sequential", False)]
+         ("op_fuser", "interleave", False), ("grouped", "sequential", False), ("te_bias", "grouped_bias", False)]
 LOSS_RTOL = 0.02  # other kernels (bf16 rounding) one step after a bitwise-equal state
 
 
@@ -44,12 +51,13 @@ def free_port() -> int:
 
 
 def recipe_for(layout, workdir):
-    """The tiny recipe; SequentialMLP needs it without moe-grouped-gemm (a store_true flag)."""
-    if layout != "sequential":
+    """The tiny recipe, without the line DROPPED_RECIPE_LINES names for ``layout``."""
+    if layout not in DROPPED_RECIPE_LINES:
         return []
-    text = (ROOT / "examples/recipes/tiny-moe.yaml").read_text()
-    recipe = Path(workdir) / "tiny-moe-sequential.yaml"
-    recipe.write_text("\n".join(l for l in text.splitlines() if not l.startswith("moe-grouped-gemm:")) + "\n")
+    text = Path(recipe_path("tiny-moe")).read_text()
+    recipe = Path(workdir) / f"tiny-moe-{layout}.yaml"
+    dropped = DROPPED_RECIPE_LINES[layout]
+    recipe.write_text("\n".join(l for l in text.splitlines() if not l.startswith(dropped)) + "\n")
     return ["--yaml-cfg", str(recipe)]
 
 

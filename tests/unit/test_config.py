@@ -53,12 +53,12 @@ def test_valid_combination_constructs():
 
 
 def test_single_grouped_weight_refused_where_no_backend_can_hold_it():
-    # The op fuser's grouped-tensor path is not driven; the grouped_mm backend has no bias yet.
+    # The op fuser's grouped-tensor path is not driven; the grouped_mm backend computes in bf16.
     for overrides in (dict(use_transformer_engine_op_fuser=True),
-                      dict(moe_device_tokens_per_expert=True, add_bias_linear=True)):
+                      dict(moe_device_tokens_per_expert=True, fp16=True, params_dtype=torch.float16)):
         with pytest.raises(ValueError, match="needs an expert backend that holds grouped parameters"):
-            build(moe_single_grouped_weight=True, activation_func=torch.nn.functional.silu, bf16=True,
-                  params_dtype=torch.bfloat16, **overrides)
+            build(**{"moe_single_grouped_weight": True, "activation_func": torch.nn.functional.silu,
+                     "bf16": not overrides.get("fp16"), "params_dtype": torch.bfloat16, **overrides})
 
 
 INVALID = [

@@ -29,7 +29,7 @@ SELECTION = [
     (dict(moe_device_tokens_per_expert=False), "te", "moe_device_tokens_per_expert is off"),
     (dict(fp8="e4m3"), "te", "bf16 only"),
     (dict(params_dtype=torch.float32, bf16=False), "te", "bf16 parameters"),
-    (dict(add_bias_linear=True), "te", "no expert biases"),
+    (dict(add_bias_linear=True), "grouped_mm", None),
     (dict(gated_linear_unit=False, activation_func=torch.nn.functional.gelu), "te", "SwiGLU and quick-GEGLU"),
     (dict(activation_func=torch.nn.functional.gelu), "te", "SwiGLU and quick-GEGLU"),
     (dict(expert_tensor_parallel_size=2), "te", "expert tensor parallelism"),
@@ -196,3 +196,62 @@ def test_a_dropped_layer_is_freed_without_the_garbage_collector():
             assert alive() is None, backend_class.name
     finally:
         gc.enable()
+
+
+def test_expert_of_row_from_offsets():
+    offsets = torch.tensor([3, 3, 5, 9], dtype=torch.int32)  # expert 1 has no row
+    assert f8.expert_of_row(offsets, 11).tolist() == [0, 0, 0, 2, 2, 3, 3, 3, 3, 3, 3]  # 9, 10: unused rows
+
+
+def test_grouped_mm_mlp_with_biases_matches_per_expert_loop():
+    torch.manual_seed(1)
+    counts = torch.tensor([3, 0, 5, 2])
+    tokens, hidden, ffn = int(counts.sum()), 16, 8
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(tokens)
+    w1 = (torch.randn(4, 2 * ffn, hidden) / 4).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(4, hidden, ffn) / 4).to(torch.bfloat16).requires_grad_()
+    b1 = torch.randn(4, 2 * ffn).to(torch.bfloat16).requires_grad_()
+    b2 = torch.randn(4, hidden).to(torch.bfloat16).requires_grad_()
+    out = f8.grouped_mm_mlp(x, counts, probs, w1, w2, cfg(add_bias_linear=True), b1, b2)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    # float64 reference: per expert, FC1 + b1, SwiGLU x prob, FC2 + b2 x prob
+    X, W1, W2, B1, B2 = (t.detach().double().requires_grad_() for t in (x, w1, w2, b1, b2))
+    pieces, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        h = X[start:start + c] @ W1[e].T + B1[e]
+        gate, lin = h.chunk(2, dim=-1)
+        p = probs[start:start + c, None].double()
+        pieces.append((torch.nn.functional.silu(gate) * lin * p) @ W2[e].T + B2[e] * p)
+        start += c
+    expected = torch.cat(pieces)
+    expected.backward(grad.double())
+    torch.testing.assert_close(out.double(), expected, rtol=3e-2, atol=3e-2)  # bf16 GEMMs
+    for ours, ref in ((x, X), (w1, W1), (w2, W2), (b1, B1), (b2, B2)):
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=5e-2, atol=5e-2)
+    assert torch.count_nonzero(b1.grad[1]) == 0 and torch.count_nonzero(b2.grad[1]) == 0  # expert 1: no rows
+
+
+@pytest.mark.parametrize("grouped_bias", [False, True])
+def test_grouped_mm_backend_holds_biases_in_the_asked_layout(grouped_bias):
+    class Linear(torch.nn.Module):
+        num_gemms = 3
+
+        def __init__(self):
+            super().__init__()
+            for i in range(self.num_gemms):
+                self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 2)))
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.randn(4)))
+
+    owner = torch.nn.Module()
+    owner.config = cfg(add_bias_linear=True, moe_single_grouped_bias=grouped_bias)
+    owner.num_local_experts, owner.linear_fc1, owner.linear_fc2 = 3, Linear(), Linear()
+    biases = [owner.linear_fc2.get_parameter(f"bias{i}").detach().clone() for i in range(3)]
+    backend = f8.GroupedMMBackend(owner)
+    fc2 = owner.linear_fc2
+    assert ("bias" in dict(fc2.named_parameters())) is grouped_bias  # weights stay per expert
+    assert "weight0" in dict(fc2.named_parameters())
+    assert torch.equal(backend._grouped(fc2, "bias"), torch.stack(biases))
+    if not grouped_bias:  # per-expert biases live in one block: no copy per step
+        assert backend._grouped(fc2, "bias").data_ptr() == backend._blocks[fc2, "bias"].data_ptr()

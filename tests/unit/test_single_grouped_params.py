@@ -55,3 +55,18 @@ def test_broken_checkpoint_loads_nothing():
     with pytest.raises(GroupedKeyError, match="missing"):
         module.load_state_dict(broken)
     assert torch.equal(module.weight, before)
+
+
+def test_weight_grouped_bias_indexed_loads_either_layout():
+    module = ExpertLinear(seed=1)
+    make_grouped(module, E, names=("weight",))
+    assert is_grouped(module, "weight") and not is_grouped(module, "bias")
+    assert sorted(dict(module.named_parameters())) == ["bias0", "bias1", "bias2", "weight"]
+    source = ExpertLinear(seed=2)
+    module.load_state_dict(source.state_dict())  # indexed checkpoint: weights stacked, biases kept
+    assert torch.equal(module.weight[1], source.weight1) and torch.equal(module.bias2, source.bias2)
+    stacked = {n: torch.stack([source.get_parameter(f"{n}{i}").detach() for i in range(E)]) for n in ("weight", "bias")}
+    grouped_ckpt = {"weight": stacked["weight"], "bias": stacked["bias"] + 1}
+    module.load_state_dict(grouped_ckpt)  # grouped checkpoint: biases split back
+    assert torch.equal(module.bias0, source.bias0 + 1)
+    assert set(module.state_dict()) == set(source.state_dict())  # stock keys either way
