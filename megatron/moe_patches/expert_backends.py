@@ -95,10 +95,17 @@ class TEBackend(ExpertBackend):
     name = "te"
 
     def __init__(self, experts):
-        if patch_option(experts.config, "moe_device_tokens_per_expert") and not cap.te_grouped_linear_device_splits():
+        # The flag asked for no host copy; this backend still makes one: worth a warning.
+        if patch_option(experts.config, "moe_device_tokens_per_expert"):
+            te_splits = (
+                "takes m_splits_tensor, which this version does not pass yet"
+                if cap.te_grouped_linear_device_splits()
+                else "takes no device splits (m_splits_tensor)"
+            )
             log_once(
                 logger,
-                logging.INFO,
-                f"moe_device_tokens_per_expert: TE {cap.te_version()}'s GroupedLinear takes no "
-                "m_splits_tensor; the TE expert backend copies tokens_per_expert to the host once per layer.",
+                logging.WARNING,
+                f"moe_device_tokens_per_expert: these experts run the TE backend (the log says why "
+                f"not grouped_mm), and Transformer Engine {cap.te_version()}'s GroupedLinear {te_splits}: "
+                "tokens_per_expert is copied to the host once per layer.",
             )

@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 
@@ -255,3 +257,18 @@ def test_grouped_mm_backend_holds_biases_in_the_asked_layout(grouped_bias):
     assert torch.equal(backend._grouped(fc2, "bias"), torch.stack(biases))
     if not grouped_bias:  # per-expert biases live in one block: no copy per step
         assert backend._grouped(fc2, "bias").data_ptr() == backend._blocks[fc2, "bias"].data_ptr()
+
+
+def test_te_backend_warns_once_when_device_splits_were_asked_for(caplog, monkeypatch):
+    import logging
+
+    from megatron.moe_patches import fields
+
+    monkeypatch.setattr(fields, "_said", set())
+    owner = types.SimpleNamespace(config=cfg(fp8=None, params_dtype=torch.float32, bf16=False))
+    with caplog.at_level(logging.INFO, logger=eb.__name__):
+        eb.TEBackend(owner)
+        eb.TEBackend(owner)
+        eb.TEBackend(types.SimpleNamespace(config=cfg(moe_device_tokens_per_expert=False)))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "copied to the host once per layer" in warnings[0].getMessage()
