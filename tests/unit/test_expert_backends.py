@@ -172,26 +172,37 @@ def test_te_backend_calls_megatron_cores_own_methods_while_applied(reverted):
     assert importlib.reload(eb).TEBackend.stock is stock  # even when imported while applied
 
 
+class ExpertLinear(torch.nn.Module):
+    """TE GroupedLinear's parameter layout: weight{i} (and bias{i}), num_gemms."""
+
+    num_gemms = 3
+
+    def __init__(self, bias):
+        super().__init__()
+        for i in range(self.num_gemms):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 2)))
+            if bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.randn(4)))
+
+
+def experts_shell(config):
+    """What a backend's constructor reads of the experts module, on CPU."""
+    owner = torch.nn.Module()
+    owner.config, owner.num_local_experts = config, ExpertLinear.num_gemms
+    owner.linear_fc1, owner.linear_fc2 = ExpertLinear(config.add_bias_linear), ExpertLinear(config.add_bias_linear)
+    return owner
+
+
 def test_a_dropped_layer_is_freed_without_the_garbage_collector():
     # Backends keep no reference to their experts: no cycle keeps a dropped layer's memory.
     import gc
     import weakref
 
-    class Linear(torch.nn.Module):
-        num_gemms = 2
-
-        def __init__(self):
-            super().__init__()
-            for i in range(self.num_gemms):
-                self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 3)))
-
     gc.collect()
     gc.disable()
     try:
         for backend_class in expert_table.BACKENDS:
-            owner = torch.nn.Module()
-            owner.config = cfg()
-            owner.num_local_experts, owner.linear_fc1, owner.linear_fc2 = 2, Linear(), Linear()
+            owner = experts_shell(cfg())
             owner.backend = backend_class(owner)
             alive = weakref.ref(owner)
             del owner
@@ -237,18 +248,7 @@ def test_grouped_mm_mlp_with_biases_matches_per_expert_loop():
 
 @pytest.mark.parametrize("grouped_bias", [False, True])
 def test_grouped_mm_backend_holds_biases_in_the_asked_layout(grouped_bias):
-    class Linear(torch.nn.Module):
-        num_gemms = 3
-
-        def __init__(self):
-            super().__init__()
-            for i in range(self.num_gemms):
-                self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 2)))
-                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.randn(4)))
-
-    owner = torch.nn.Module()
-    owner.config = cfg(add_bias_linear=True, moe_single_grouped_bias=grouped_bias)
-    owner.num_local_experts, owner.linear_fc1, owner.linear_fc2 = 3, Linear(), Linear()
+    owner = experts_shell(cfg(add_bias_linear=True, moe_single_grouped_bias=grouped_bias))
     biases = [owner.linear_fc2.get_parameter(f"bias{i}").detach().clone() for i in range(3)]
     backend = f8.GroupedMMBackend(owner)
     fc2 = owner.linear_fc2
