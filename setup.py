@@ -8,7 +8,10 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     # `megatron` is a namespace shared with megatron-core: ship only our portion.
+    # megatron/moe_patches/recipes/ (no __init__.py) is found as a namespace package and
+    # ships its YAML recipes as package data (`--yaml-cfg tiny-moe` finds them by name).
     packages=find_namespace_packages(include=["megatron.moe_patches", "megatron.moe_patches.*"]),
+    package_data={"megatron.moe_patches.recipes": ["*.yaml"]},
     install_requires=[
         "megatron-core>=0.16.1,<0.17",
         "torch>=2.6",
@@ -17,9 +20,16 @@ setup(
         "packaging",
     ],
     extras_require={
-        # Finer capability checks (fused permute+pad, op-fuser ops) live in the code.
-        "te": ["transformer-engine[pytorch]>=2.12"],
+        # F1 and F4 need TE >= 2.14; finer capability checks (fused permute+pad, op-fuser
+        # ops) live in the code. PyPI's TE builds its torch extension from source.
+        "te": ["transformer-engine[pytorch]>=2.14"],
         "test": ["pytest"],
+        "plot": ["matplotlib"],  # benchmarks/plot.py only
     },
-    entry_points={"console_scripts": ["megatron-moe-patches=megatron.moe_patches.__main__:main"]},
+    entry_points={
+        "console_scripts": [
+            "megatron-moe-patches=megatron.moe_patches.__main__:main",  # status
+            "megatron-moe-pretrain=megatron.moe_patches.driver.cli:pretrain_main",  # = pretrain_gpt.py
+        ]
+    },
 )

@@ -6,7 +6,7 @@ GPU_DIRS = ("tests/gpu/", "tests/functional/")
 
 def _gpu_unavailable() -> str:
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (see README, 'GPU tests and benchmarks')"
+        return "needs a CUDA GPU (see README, 'Running the GPU tests')"
     from megatron.moe_patches import capabilities
 
     if capabilities.te_version() is None:

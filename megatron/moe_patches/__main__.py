@@ -1,34 +1,72 @@
-"""``python -m megatron.moe_patches status [--apply] [--features C0,F4] [--json]``."""
+"""``python -m megatron.moe_patches status [--apply [--features C0,F4]] [--json]``.
+
+Also the ``megatron-moe-patches`` command. ``--json`` prints one JSON document:
+``{"megatron_core": "0.16.1", "transformer_engine": "2.14.0" or null, "features": [...]}``
+with one object per series entry (``id``, ``title``, ``state``, ``reason``, ``te_ok``,
+``upstream``). States: applied, native, skipped, off (see README.md, "Status states").
+"""
 
 import argparse
 import json
+import os
 import sys
 
-from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.installer import apply, status
-from megatron.moe_patches.registry import BY_ID
+from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
+
+
+def _feature_ids(parser: argparse.ArgumentParser, value: str) -> list:
+    from megatron.moe_patches.registry import BY_ID
+
+    ids = [part.strip() for part in value.split(",") if part.strip()]
+    if not ids:
+        parser.error("--features: give comma-separated feature ids, e.g. --features C0,F4")
+    unknown = [feature_id for feature_id in ids if feature_id not in BY_ID]
+    if unknown:
+        parser.error(
+            f"--features: unknown feature id {', '.join(unknown)}; the series is {', '.join(BY_ID)}"
+        )
+    return ids
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron.moe_patches")
+    quiet_megatron_core_import_warnings()  # before status() imports megatron-core
+    from megatron.moe_patches import capabilities as cap
+    from megatron.moe_patches.installer import apply, status
+    from megatron.moe_patches.registry import BY_ID
+
+    called_as = os.path.basename(sys.argv[0] or "")
+    prog = "megatron-moe-patches" if called_as.startswith("megatron-moe-patches") else "python -m megatron.moe_patches"
+    parser = argparse.ArgumentParser(prog=prog)
     sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("status", help="print what is applied, native, skipped or off, and why")
-    show.add_argument("--apply", action="store_true", help="apply() first, then report")
-    show.add_argument("--features", default=None, help="comma-separated ids for --apply (default: all)")
-    show.add_argument("--json", action="store_true", help="one JSON object per line")
+    show = sub.add_parser(
+        "status",
+        help="print what is applied, native, skipped or off, and why",
+        description="One row per series entry: applied, native, skipped or off, with the reason. "
+        "Without --apply it reports this process's state (nothing applied: C0 off, the rest "
+        "skipped because they need C0); --apply shows what apply() installs here.",
+    )
+    show.add_argument("--apply", action="store_true", help="apply() first (in this process only), then report")
+    show.add_argument("--features", default=None, metavar="IDS",
+                      help="comma-separated ids for --apply, e.g. C0,F4 (default: the whole series)")
+    show.add_argument("--json", action="store_true",
+                      help='one JSON document: {"megatron_core", "transformer_engine", "features": [rows]}')
     args = parser.parse_args(argv)
 
-    if args.apply:
-        rows = apply(args.features.split(",") if args.features else None)
-    else:
-        rows = status()
-    te = cap.te_version()
-    header = f"megatron-core {cap.mcore_version()} | Transformer Engine {te or 'not installed'}"
+    if args.features is not None and not args.apply:
+        show.error("--features selects what --apply installs; give --apply too")
+    features = _feature_ids(show, args.features) if args.features is not None else None
+
+    rows = apply(features) if args.apply else status()
+    mcore, te = cap.mcore_version(), cap.te_version()
     if args.json:
-        for row in rows:
-            print(json.dumps({**row.__dict__, "upstream": BY_ID[row.id].upstream}))
+        document = {
+            "megatron_core": str(mcore) if mcore is not None else None,
+            "transformer_engine": str(te) if te is not None else None,
+            "features": [{**row.__dict__, "upstream": list(BY_ID[row.id].upstream)} for row in rows],
+        }
+        print(json.dumps(document, indent=2))
     else:
-        print(header)
+        print(f"megatron-core {mcore or 'not installed'} | Transformer Engine {te or 'not installed'}")
         for row in rows:
             print(row.line())
     return 0
