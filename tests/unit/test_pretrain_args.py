@@ -11,8 +11,8 @@ from megatron.moe_patches.driver.arguments import parse_args, transformer_config
 from megatron.moe_patches.driver.recipes import RecipeError, flatten_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "examples/recipes/tiny-moe.yaml")
-NESTED = str(ROOT / "examples/recipes/tiny-moe-nested.yaml")
+TINY = str(ROOT / "megatron/moe_patches/recipes/tiny-moe.yaml")
+NESTED = str(ROOT / "megatron/moe_patches/recipes/tiny-moe-nested.yaml")
 
 
 def write(tmp_path, data, name="recipe.yaml"):
@@ -31,7 +31,7 @@ def test_flat_and_nested_recipes_give_the_same_model():
 
 
 def test_command_line_overrides_the_recipe():
-    args = parse_args(["--yaml-cfg", TINY, "--hidden-size", "128", "--moe-router-topk", "1"])
+    args = parse_args(["--yaml-cfg", TINY, "--hidden-size", "128", "--moe-router-topk", "1", "--moe-router-pre-softmax"])
     assert (args.hidden_size, args.moe_router_topk, args.num_layers) == (128, 1, 2)
 
 
@@ -99,9 +99,10 @@ def test_dense_model_has_no_moe_fields():
 
 
 def test_checkpoint_arg_restore():
-    saved = vars(parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser",
+    hybridep = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+    saved = vars(parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser", *hybridep,
                              "--moe-hybridep-num-blocks-permute", "32"])).copy()
-    args = parse_args(["--hidden-size", "999", "--moe-hybridep-num-blocks-permute", "8"])
+    args = parse_args(["--hidden-size", "1000", "--num-experts", "4", *hybridep, "--moe-hybridep-num-blocks-permute", "8"])
     taken = checkpointing.restore_args(args, saved)
     assert args.hidden_size == 256 and args.num_experts == 8  # model shape: always the checkpoint's
     assert args.use_transformer_engine_op_fuser is True  # bool: forced past its False default

@@ -3,5 +3,7 @@
 ``arguments`` (pretrain_gpt.py's flags and checks), ``patch_args`` (the patch flags
 generated from the fields), ``recipes`` (``--yaml-cfg``), ``checkpointing`` (torch_dist
 checkpoints), ``training`` (the loop and ``main``), ``functional`` (the functional-test
-runner). Imports go one way: training -> arguments, checkpointing -> patch_args.
+runner), ``builtin_recipes`` and ``cli`` (the ``megatron-moe-pretrain`` command). Imports go
+one way: cli -> training -> arguments -> checkpointing -> patch_args; arguments -> recipes.
+Bad input is refused in ``arguments.parse_args``, before any CUDA or NCCL work.
 """

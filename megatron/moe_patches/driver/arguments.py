@@ -1,21 +1,32 @@
 """pretrain_gpt.py's arguments: Megatron-LM flag spellings, recipes, checks, config mapping.
 
-``parse_args`` = defaults < ``--yaml-cfg`` recipe < command line, then
-``check_args`` rejects contradictions with a message naming the flags and the fix.
+``parse_args`` = defaults < ``--yaml-cfg`` recipe < command line, then, before any
+CUDA or NCCL work: ``check_load`` (what ``--load`` holds; ``--use-checkpoint-args``
+takes the checkpoint's model args here), ``check_args`` (flag contradictions, sizes,
+parallel sizes against ``WORLD_SIZE``) and ``validate_config`` (the full TransformerConfig
+with the patch fields, built as ``training.setup`` builds it). Every refusal is one
+``pretrain_gpt.py: error: ...`` line on stderr (more lines only where there are several
+problems) naming the flags and the fix, with exit status 2 and no traceback.
 ``transformer_config_kwargs`` maps the args to megatron-core's TransformerConfig
 (patched by ``apply()``, so the MoE patch fields are accepted). The training loop and
 ``main`` are in ``driver.training``, which imports this module (never the reverse).
 """
 
 import argparse
+import dataclasses
+import functools
+import math
 import os
+import re
 import sys
-from typing import List, Optional
+import warnings
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.driver.patch_args import add_moe_patch_args, config_kwargs_from_args
-from megatron.moe_patches.driver.recipes import RecipeError, apply_recipe, load_recipe
+from megatron.moe_patches.driver.recipes import FIELD_ALIASES, RecipeError, apply_recipe, load_recipe
 
 
 def _add_standard_args(parser: argparse.ArgumentParser) -> None:
@@ -100,12 +111,27 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     log.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                      help="save distributed-optimizer states per parameter (loads across DP/EP sizes "
                      "and expert layouts) instead of per-DP-rank buffers")
-    log.add_argument("--use-checkpoint-args", action="store_true")
+    log.add_argument("--use-checkpoint-args", action="store_true",
+                     help="take the model-defining args and the MoE patch flags from the --load checkpoint")
+    log.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                     help="with --load: stop (exit status 2) when there is no checkpoint to load, "
+                     "instead of warning and training from scratch")
     log.add_argument("--yaml-cfg", default=None, help="recipe: flat 'flag: value' or Megatron's nested form")
 
 
+class DriverArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line: ``prog: error: message`` on stderr, exit status 2.
+
+    argparse would print the usage of every flag (some 70 lines) above the message first;
+    ``--help`` still lists them.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = DriverArgumentParser(
         prog="pretrain_gpt.py",
         description="GPT/MoE pretraining on megatron-core with the MoE patch set applied.",
         allow_abbrev=False,
@@ -114,51 +140,215 @@ def build_parser() -> argparse.ArgumentParser:
     return add_moe_patch_args(parser)
 
 
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def world_size_from_env() -> int:
+    """The number of ranks the launcher starts (torchrun sets WORLD_SIZE; a plain run is 1)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(value)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={value!r} (set by the launcher) is not a positive integer")
+    return world
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse and validate pretrain_gpt.py's arguments; exits with status 2 on bad input.
+
+    Everything here runs before any CUDA or NCCL work, so no bad input reaches a GPU.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
     if first.yaml_cfg:
         try:
-            apply_recipe(parser, load_recipe(first.yaml_cfg), first.yaml_cfg)
-        except (RecipeError, OSError) as err:
+            recipe = load_recipe(first.yaml_cfg)
+            apply_recipe(parser, recipe, getattr(recipe, "path", None) or first.yaml_cfg)
+        except RecipeError as err:
             parser.error(str(err))
+        except OSError as err:  # a --yaml-cfg that names no file and no built-in recipe
+            message = str(err)
+            parser.error(message if message.startswith("--yaml-cfg") else f"--yaml-cfg {first.yaml_cfg}: {message}")
     args = parser.parse_args(argv)  # unknown flags: argparse names them and exits
+
+    def warn(message: str) -> None:
+        if _rank() == 0:
+            print(f"{parser.prog}: warning: {message}", file=sys.stderr, flush=True)
+
     try:
-        check_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # torchrun sets it
+        world_size = world_size_from_env()
+        check_load(args, warn)
+        check_args(args, world_size=world_size)
+        validate_config(args)
     except ValueError as err:
         parser.error(str(err))
     return args
 
 
+def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) -> Optional[str]:
+    """What ``--load`` holds, decided before start-up (Megatron-LM's rules).
+
+    No checkpoint there (no such directory, an empty one, no tracker file): one warning
+    and training starts from scratch, or an error with ``--exit-on-missing-checkpoint``
+    and with ``--use-checkpoint-args``. A ``--load`` that is a file, or a tracker that does
+    not name a saved iteration, is an error naming the file. With ``--use-checkpoint-args``
+    the checkpoint's model args are taken here. Returns the checkpoint directory or None.
+    """
+    if not args.load:
+        for flag, dest in (("--use-checkpoint-args", "use_checkpoint_args"),
+                           ("--exit-on-missing-checkpoint", "exit_on_missing_checkpoint")):
+            if getattr(args, dest, False):
+                raise ValueError(f"{flag} needs --load (the checkpoint directory)")
+        return None
+    path, missing = checkpointing.find_checkpoint(args.load)
+    if path is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise ValueError(
+                f"--load {args.load}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
+                "checkpoint directory, or drop --exit-on-missing-checkpoint to train from scratch"
+            )
+        if args.use_checkpoint_args:
+            raise ValueError(
+                f"--use-checkpoint-args: --load {args.load} has no checkpoint to take the args from ({missing}); "
+                "point --load at a checkpoint directory or drop --use-checkpoint-args"
+            )
+        warn(f"--load {args.load}: {missing}; training starts from scratch "
+             "(--exit-on-missing-checkpoint makes this an error)")
+        return None
+    if args.use_checkpoint_args:
+        taken = checkpointing.restore_args(args, checkpointing.saved_args(args.load))
+        if _rank() == 0:
+            print(f"--use-checkpoint-args: took {sorted(taken)} from {path}", flush=True)
+    return path
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+# Sizes and counts: at least 1 (0 would divide by zero or build nothing).
+AT_LEAST_ONE = (
+    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
+    "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "expert_model_parallel_size", "moe_router_topk", "log_interval", "rotary_base",
+)
+AT_LEAST_ONE_IF_SET = (
+    "ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "num_experts",
+    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "expert_tensor_parallel_size",
+    "global_batch_size", "lr_decay_iters", "save_interval",
+)
+NOT_NEGATIVE = ("lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coeff")
+FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")  # [0, 1)
+POSITIVE_FLOATS = ("init_method_std", "adam_eps")
+# Flags that only mean something for an MoE model (--num-experts).
+MOE_ONLY = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_padding_for_quantization",
+            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for name in AT_LEAST_ONE + AT_LEAST_ONE_IF_SET:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{_flag(name)} {value}: must be at least 1")
+    for name in NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS:
+        value = getattr(args, name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{_flag(name)} {value}: must be a finite number")
+    for name in NOT_NEGATIVE:
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            raise ValueError(f"{_flag(name)} {value}: must not be negative")
+    for name in FRACTIONS:
+        value = getattr(args, name, None)
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"{_flag(name)} {value}: must be at least 0 and below 1")
+    for name in POSITIVE_FLOATS:
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise ValueError(f"{_flag(name)} {value}: must be above 0")
+
+
 def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
-    """Fill derived defaults and reject contradictions (ValueError naming the flags)."""
+    """Fill derived defaults and reject contradictions (ValueError naming the flags and the fix).
+
+    ``world_size``: the ranks the run has (``WORLD_SIZE``); the parallel sizes must fit it.
+    """
+    _check_ranges(args)
     if args.fp8_format and not args.bf16:
         raise ValueError("--fp8-format needs --bf16 (FP8 GEMMs on bf16 parameters)")
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path contradict each other: choose one")
     if args.use_checkpoint_args and not args.load:
         raise ValueError("--use-checkpoint-args needs --load")
+    if getattr(args, "exit_on_missing_checkpoint", False) and not args.load:
+        raise ValueError("--exit-on-missing-checkpoint needs --load (the checkpoint directory)")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save")
     if args.num_experts is None:
-        moe_only = [f for f in ("moe_grouped_gemm", "moe_permute_fusion") if getattr(args, f)]
+        moe_only = [f for f in MOE_ONLY if getattr(args, f) not in (None, False)]
         if moe_only:
-            raise ValueError(f"--{moe_only[0].replace('_', '-')} needs --num-experts")
+            raise ValueError(f"{_flag(moe_only[0])} needs --num-experts")
+        if args.expert_model_parallel_size > 1:
+            raise ValueError("--expert-model-parallel-size > 1 needs --num-experts (an MoE model)")
+    else:
+        if args.num_experts % args.expert_model_parallel_size:
+            raise ValueError(
+                f"--num-experts {args.num_experts} must be divisible by --expert-model-parallel-size "
+                f"{args.expert_model_parallel_size} (each expert-parallel rank holds the same number of "
+                "experts): choose an EP size that divides the number of experts"
+            )
+        if args.moe_router_topk > args.num_experts:
+            raise ValueError(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+    if args.moe_router_padding_for_quantization:
+        if not args.fp8_format:
+            raise ValueError("--moe-router-padding-for-quantization needs --fp8-format (it pads for FP8 GEMMs)")
+        if args.moe_token_dispatcher_type == "allgather":
+            raise ValueError("--moe-router-padding-for-quantization does not work with --moe-token-dispatcher-type "
+                             "allgather: use alltoall or flex")
     if args.pipeline_model_parallel_size > 1 and args.num_layers % args.pipeline_model_parallel_size:
         raise ValueError("--num-layers must be divisible by --pipeline-model-parallel-size")
+    tp = args.tensor_model_parallel_size
+    if args.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.num_query_groups is not None:
+        groups = args.num_query_groups
+        if args.num_attention_heads % groups:
+            raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads {args.num_attention_heads}")
+        if groups % tp and tp % groups:
+            raise ValueError(f"--num-query-groups {groups} must be a multiple or a divisor of "
+                             f"--tensor-model-parallel-size {tp}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+                         f"{args.num_attention_heads} (or set --kv-channels)")
+    if args.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.expert_model_parallel_size > 1 and tp > 1 and not args.sequence_parallel:
+        raise ValueError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
+                         "--sequence-parallel")
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+        raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
+                         f"{args.seq_length}: raise it (or use --position-embedding-type rope)")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
+    if args.lr_warmup_iters >= args.lr_decay_iters:  # megatron-core's scheduler: warmup < decay
         raise ValueError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
             f"{args.lr_decay_iters} (which defaults to --train-iters): shorten the warmup or "
             "set --lr-decay-iters"
         )
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    if world_size % model_parallel:
-        raise ValueError(f"world size {world_size} is not a multiple of TP x PP = {model_parallel}")
+    _check_parallel_sizes(args, world_size)
+    model_parallel = tp * args.pipeline_model_parallel_size
     data_parallel = world_size // model_parallel
     args.data_parallel_size = data_parallel
     if args.global_batch_size is None:
@@ -168,6 +358,151 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {args.micro_batch_size * data_parallel}"
         )
+
+
+def _check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
+    """megatron-core's process grids: TP x PP x DP and ETP x EP x PP x expert-DP both tile the world."""
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp  # megatron-core's default: the TP size
+    grids = [
+        (tp * pp, f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"),
+        (etp * ep * pp, f"--expert-tensor-parallel-size {etp}"
+         f"{'' if args.expert_tensor_parallel_size else ' (the TP size by default)'} x "
+         f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}"),
+    ]
+    for ranks, product in grids:
+        if ranks > world_size:
+            raise ValueError(
+                f"{product} = {ranks} ranks, more than the world size {world_size} (WORLD_SIZE, the ranks "
+                f"launched): launch at least {ranks} ranks or lower the sizes"
+            )
+        if world_size % ranks:
+            raise ValueError(
+                f"{product} = {ranks} does not divide the world size {world_size} (WORLD_SIZE, the ranks "
+                f"launched): launch a multiple of {ranks} ranks or change the sizes"
+            )
+
+
+# --- the full TransformerConfig, before start-up ---------------------------------------
+
+PATCH_ERROR_PREFIX = "Invalid MoE patch configuration"
+
+# Fields whose stock TransformerConfig checks ask Transformer Engine itself rather than
+# judge the flags: without TE they fail for every value. Where TE cannot be imported
+# (a CPU machine), validate_config builds the config without them, then runs the patch
+# set's checks (which need no TE) with them set, and leaves megatron-core's TE checks to
+# setup() on the GPU machine, where TE is installed and they run in full.
+TE_PROBED_FIELDS = {
+    "moe_permute_fusion": "megatron-core imports TE's fused permute kernels to check it",
+    "fp8": "megatron-core checks TE's version for FP8 MoE training",
+    "fp8_recipe": "read only together with fp8",
+    "moe_router_padding_for_quantization": "megatron-core checks it against fp8 (check_args checks it instead)",
+}
+
+# Config field -> the flag's dest, where they differ.
+_CONFIG_FIELD_DESTS = {
+    **{field: dest for field, (dest, _) in FIELD_ALIASES.items()},
+    "activation_func": "swiglu",
+    "params_dtype": "bf16",
+    "pipeline_dtype": "bf16",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _dest_flags() -> Dict[str, str]:
+    return {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+
+
+def flags_named_in(text: str) -> List[str]:
+    """The flags behind the config field names a message mentions, in order."""
+    flags = []
+    for word in re.findall(r"[A-Za-z][A-Za-z0-9_]*", text):
+        if "_" not in word and word not in _CONFIG_FIELD_DESTS:
+            continue  # plain words ("load", "seed") are not field names here
+        flag = _dest_flags().get(_CONFIG_FIELD_DESTS.get(word, word))
+        if flag and flag not in flags and flag not in text:
+            flags.append(flag)
+    return flags
+
+
+def _with_flags(text: str) -> str:
+    flags = flags_named_in(text)
+    return f"{text} [{', '.join(flags)}]" if flags else text
+
+
+def config_error_message(err: Exception) -> str:
+    """A config construction error as pretrain_gpt.py reports it: the first line says the
+    first problem and names its flags."""
+    text = str(err).strip()
+    if text.startswith(PATCH_ERROR_PREFIX):
+        problems = [" ".join(p.split()) for p in re.split(r"\n\s*- ", text)[1:]] or [text]
+        lines = [f"{PATCH_ERROR_PREFIX}: {_with_flags(problems[0])}"]
+        lines += [f"  - {_with_flags(problem)}" for problem in problems[1:]]
+        return "\n".join(lines)
+    text = " ".join(text.split()) or f"{type(err).__name__} without a message"
+    return f"megatron-core's TransformerConfig refuses these arguments: {_with_flags(text)}"
+
+
+def _patch_refusal(kwargs: dict) -> Optional[ValueError]:
+    """The patch set's own refusal of these config kwargs, judged without megatron-core's
+    checks (whose bare asserts would otherwise speak first), or None."""
+    from megatron.moe_patches.config import PatchedTransformerConfig, validate_moe_patch_config
+
+    config = object.__new__(PatchedTransformerConfig)  # the fields, none of the checks
+    for field in dataclasses.fields(PatchedTransformerConfig):
+        if field.name in kwargs:
+            value = kwargs[field.name]
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            value = field.default_factory()
+        else:
+            value = None
+        setattr(config, field.name, value)
+    if config.expert_tensor_parallel_size is None:  # megatron-core's defaults the checks read
+        config.expert_tensor_parallel_size = config.tensor_model_parallel_size
+    if config.num_moe_experts is not None and config.moe_ffn_hidden_size is None:
+        config.moe_ffn_hidden_size = config.ffn_hidden_size
+    try:
+        validate_moe_patch_config(config)
+    except ValueError as err:
+        return err
+    except Exception:  # a value the checks cannot read before megatron-core's normalisation
+        return None
+    return None
+
+
+def validate_config(args: argparse.Namespace, te_available: Optional[bool] = None) -> List[str]:
+    """Build the TransformerConfig ``training.setup`` builds (patch fields included) and
+    turn its refusals into a ValueError naming the flags. For combinations the patch set
+    knows, its message wins over megatron-core's asserts.
+
+    Returns the fields whose megatron-core checks were left to ``setup()`` because they ask
+    Transformer Engine and it is not importable here (see ``TE_PROBED_FIELDS``); with TE
+    (``te_available`` None: probe it) every check runs now.
+    """
+    from megatron.moe_patches import capabilities
+    from megatron.moe_patches.config import PatchedTransformerConfig, validate_moe_patch_config
+
+    kwargs = transformer_config_kwargs(args)
+    if te_available is None:
+        te_available = capabilities.te_version() is not None
+    deferred = [] if te_available else [n for n in TE_PROBED_FIELDS if kwargs.get(n) not in (None, False)]
+    late = {name: kwargs.pop(name) for name in deferred}
+    try:
+        with warnings.catch_warnings():  # setup() builds it again; its warnings show there once
+            warnings.simplefilter("ignore")
+            config = PatchedTransformerConfig(**kwargs)
+    except (ValueError, AssertionError, ImportError) as err:  # ImportError: a TE without the asked kernels
+        raise ValueError(config_error_message(_patch_refusal({**kwargs, **late}) or err)) from None
+    if late:  # the patch set's checks need no TE: run them with the real values
+        for name, value in late.items():
+            setattr(config, name, value)
+        try:
+            validate_moe_patch_config(config)
+        except ValueError as err:
+            raise ValueError(config_error_message(err)) from None
+    return deferred
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:

@@ -7,14 +7,19 @@ takes the model-defining args and the MoE patch flags from the checkpoint, with
 Megatron's ``_set_arg`` rule: a saved value is taken where the current one is unset,
 and always for on/off flags (a store_true default is never "unset").
 
-``load`` refuses, before reading anything, a checkpoint that cannot fill every sharded
-tensor of the model and optimizer (``check_checkpoint_covers``), and fits the optimizer's
-plain state to the current optimizer chain across EP changes (``fit_optimizer_state``).
+``find_checkpoint`` says, before start-up, what ``--load`` holds: a checkpoint, none
+(a reason: training starts from scratch), or an error naming the file (``--load`` is a
+file, the tracker names no saved iteration). ``load`` reads the optimizer states in the
+format the checkpoint was saved in (``checkpoint_format``), refuses, before reading
+anything, a checkpoint that cannot fill every sharded tensor of the model and optimizer
+(``check_checkpoint_covers``), and fits the optimizer's plain state to the current
+optimizer chain across EP changes (``fit_optimizer_state``).
 """
 
 import argparse
 import os
-from typing import Iterator, List, Optional
+import re
+from typing import Iterator, List, Optional, Tuple
 
 from megatron.moe_patches.driver.patch_args import restore_args_from_checkpoint
 
@@ -46,16 +51,65 @@ def optimizer_metadata(args) -> dict:
     return FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else DP_RESHARDABLE
 
 
+def checkpoint_format(saved: dict) -> argparse.Namespace:
+    """How ``load`` reads a checkpoint's optimizer states: in the format the checkpoint was
+    saved in (its own args), whatever this run's --dist-ckpt-optim-fully-reshardable says
+    (that flag only decides how this run saves)."""
+    return argparse.Namespace(dist_ckpt_optim_fully_reshardable=bool(saved.get("dist_ckpt_optim_fully_reshardable", False)))
+
+
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+class CheckpointError(ValueError):
+    """A ``--load`` that cannot be used; the message names the file and the fix."""
+
+
 def latest_iteration(root: str) -> Optional[int]:
+    """The iteration the tracker file under ``root`` names; None without a tracker."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None
-    with open(tracker, encoding="utf-8") as handle:
-        return int(handle.read().strip())
+    try:
+        with open(tracker, encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"cannot read the checkpoint tracker {tracker}: {err}") from None
+    if not re.fullmatch(r"[0-9]+", text):
+        raise CheckpointError(
+            f"the checkpoint tracker {tracker} holds {text[:40]!r}, not an iteration number: write the "
+            f"iteration of a saved checkpoint into it (e.g. 100 for iter_0000100) or point --load elsewhere"
+        )
+    return int(text)
+
+
+def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the checkpoint directory ``--load root`` resumes from, None) or (None, why there is none).
+
+    No directory, an empty one or one without a tracker file is "no checkpoint" (Megatron-LM
+    trains from scratch then). A ``root`` that is a file, a tracker that is not an iteration
+    number, or one naming an iteration whose directory is missing raises
+    CheckpointError naming the file.
+    """
+    if not os.path.exists(root):
+        return None, "no such directory"
+    if not os.path.isdir(root):
+        raise CheckpointError(
+            f"--load {root} is a file, not a checkpoint directory: point --load at the directory "
+            f"that holds {TRACKER} and the iter_* directories"
+        )
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None, "the directory is empty" if not os.listdir(root) else f"no checkpoint there (no {TRACKER})"
+    path = iteration_dir(root, iteration)
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"the checkpoint tracker {tracker} names iteration {iteration}, but {path} does not exist: "
+            "write the iteration of a saved checkpoint into it"
+        )
+    return path, None
 
 
 def restore_args(args: argparse.Namespace, saved: dict) -> List[str]:
@@ -73,12 +127,23 @@ def restore_args(args: argparse.Namespace, saved: dict) -> List[str]:
 
 
 def saved_args(root: str) -> dict:
+    """The args dict saved with the checkpoint ``--load root`` resumes from (CPU only, no
+    process group: usable before start-up)."""
     from megatron.core import dist_checkpointing
 
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise FileNotFoundError(f"--load {root}: no {TRACKER} there")
-    return dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration))["args"]
+    path, missing = find_checkpoint(root)
+    if path is None:
+        raise CheckpointError(f"--load {root}: {missing}")
+    try:
+        saved = dist_checkpointing.load_common_state_dict(path).get("args")
+    except Exception as err:  # megatron-core's CheckpointingException, unpickling errors
+        raise CheckpointError(
+            f"cannot read the saved args of {path} ({err}): the save did not finish, or it is not a "
+            "checkpoint of pretrain_gpt.py; point --load at a complete one"
+        ) from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds no saved args (not a checkpoint of pretrain_gpt.py)")
+    return saved
 
 
 def _state(model, optimizer, scheduler, iteration, args, loading):
@@ -233,15 +298,13 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     """Load the newest checkpoint under ``root``; returns its iteration."""
     from megatron.core import dist_checkpointing
 
+    path, missing = find_checkpoint(root)
+    if path is None:
+        raise CheckpointError(f"--load {root}: {missing}")
     iteration = latest_iteration(root)
-    if iteration is None:
-        raise FileNotFoundError(f"--load {root}: no {TRACKER} there")
-    path = iteration_dir(root, iteration)
     saved = dist_checkpointing.load_common_state_dict(path)["args"]
     check_optimizer_layout(args, saved)
-    # The checkpoint's format decides how its optimizer states are read.
-    layout = argparse.Namespace(dist_ckpt_optim_fully_reshardable=saved.get("dist_ckpt_optim_fully_reshardable", False))
-    state = _state(model, optimizer, scheduler, iteration, layout, loading=True)
+    state = _state(model, optimizer, scheduler, iteration, checkpoint_format(saved), loading=True)
     check_checkpoint_covers(state, path)
     loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])

@@ -239,13 +239,11 @@ def _log_line(args, iteration, elapsed, lr, loss, grad_norm, started):
 
 
 def setup(args: argparse.Namespace):
-    """Process groups, the patch set, model and optimizer for ``args``:
+    """Process groups, the patch set, model and optimizer for ``args`` (from ``parse_args``,
+    which validated them and took ``--use-checkpoint-args`` before start-up):
     (unwrapped GPTModel, DDP model, optimizer, LR scheduler)."""
     initialize(args)
-    if args.use_checkpoint_args:
-        taken = checkpointing.restore_args(args, checkpointing.saved_args(args.load))
-        _print_rank0(f"--use-checkpoint-args: took {sorted(taken)} from {args.load}")
-    check_args(args, world_size=dist.get_world_size())
+    check_args(args, world_size=dist.get_world_size())  # the world the launcher really made
 
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.core.distributed import finalize_model_grads
@@ -273,9 +271,12 @@ def pretrain(args: argparse.Namespace) -> None:
 
     gpt, model, optimizer, scheduler = setup(args)
     iteration = 0
-    if args.load and checkpointing.latest_iteration(args.load) is not None:
+    found = checkpointing.find_checkpoint(args.load)[0] if args.load else None
+    if found is not None:
         iteration = checkpointing.load(args.load, gpt, optimizer, scheduler, args)
-        _print_rank0(f"loaded checkpoint {args.load} at iteration {iteration}")
+        _print_rank0(f"loaded checkpoint {found} at iteration {iteration}")
+    elif args.load and args.exit_on_missing_checkpoint:  # parse_args stops this earlier
+        raise SystemExit(f"--load {args.load}: no checkpoint there, and --exit-on-missing-checkpoint is set")
 
     dataset = build_train_dataset(args)
     data = micro_batches(
