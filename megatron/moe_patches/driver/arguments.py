@@ -485,6 +485,8 @@ def validate_config(args: argparse.Namespace, te_available: Optional[bool] = Non
     from megatron.moe_patches.config import PatchedTransformerConfig, validate_moe_patch_config
 
     kwargs = transformer_config_kwargs(args)
+    if torch.cuda.is_available():  # config checks may ask the GPU: this rank's, not GPU 0 for all
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if te_available is None:
         te_available = capabilities.te_version() is not None
     deferred = [] if te_available else [n for n in TE_PROBED_FIELDS if kwargs.get(n) not in (None, False)]
