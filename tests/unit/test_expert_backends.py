@@ -272,3 +272,38 @@ def test_te_backend_warns_once_when_device_splits_were_asked_for(caplog, monkeyp
         eb.TEBackend(types.SimpleNamespace(config=cfg(moe_device_tokens_per_expert=False)))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "copied to the host once per layer" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_mm_padded_rows_change_nothing(bias):
+    """Counts padded to an alignment (zero rows with prob 0, as F1 lays them out) give the
+    same real rows, zero pad rows and zero grads from them; with biases too (the prob
+    scales what a bias would put there)."""
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 1])
+    padded = (counts + 3) // 4 * 4
+    x = torch.randn(int(counts.sum()), 16, dtype=torch.bfloat16)
+    probs = torch.rand(int(counts.sum()))
+    w1 = (torch.randn(4, 16, 16) / 4).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(4, 16, 8) / 4).to(torch.bfloat16).requires_grad_()
+    biases = [torch.randn(4, n).to(torch.bfloat16).requires_grad_() for n in (16, 16)] if bias else [None, None]
+    starts = torch.cumsum(padded, 0) - padded
+    rows = torch.cat([torch.arange(int(c)) + int(s) for c, s in zip(counts, starts)])
+    x_pad = torch.zeros(int(padded.sum()), 16, dtype=torch.bfloat16).index_copy_(0, rows, x).requires_grad_()
+    p_pad = torch.zeros(int(padded.sum())).index_copy_(0, rows, probs)
+    x.requires_grad_()
+    config = cfg(add_bias_linear=bias)
+    out = f8.grouped_mm_mlp(x, counts, probs, w1, w2, config, *biases)
+    out.sum().backward()
+    params = [w1, w2] + [b for b in biases if b is not None]
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    out_pad = f8.grouped_mm_mlp(x_pad, padded, p_pad, w1, w2, config, *biases)
+    out_pad.sum().backward()
+    pad_rows = torch.ones(int(padded.sum()), dtype=torch.bool).index_fill_(0, rows, False)
+    torch.testing.assert_close(out_pad[rows], out, rtol=0, atol=0)
+    assert not out_pad[pad_rows].any() and not x_pad.grad[pad_rows].any()
+    torch.testing.assert_close(x_pad.grad[rows], x.grad, rtol=0, atol=0)
+    for got, want in zip((p.grad for p in params), grads):  # zero rows add nothing (K order may move)
+        assert (got.float() - want.float()).abs().max() <= 2.0**-7 * want.float().abs().max()
