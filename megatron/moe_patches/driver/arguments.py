@@ -31,92 +31,178 @@ from megatron.moe_patches.driver.recipes import FIELD_ALIASES, RecipeError, appl
 
 def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=2)
-    model.add_argument("--hidden-size", type=int, default=512)
-    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
-    model.add_argument("--num-attention-heads", type=int, default=8)
-    model.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
-    model.add_argument("--kv-channels", type=int, default=None)
-    model.add_argument("--seq-length", type=int, default=512)
-    model.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
-    model.add_argument("--vocab-size", type=int, default=32000, help="vocabulary of the null tokenizer")
-    model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    model.add_argument("--swiglu", action="store_true")
-    model.add_argument("--disable-bias-linear", action="store_true")
-    model.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    model.add_argument("--rotary-base", type=int, default=10000)
-    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    model.add_argument("--qk-layernorm", action="store_true")
-    model.add_argument("--init-method-std", type=float, default=0.02)
-    model.add_argument("--hidden-dropout", type=float, default=0.1)
-    model.add_argument("--attention-dropout", type=float, default=0.1)
-    model.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine")
+    model.add_argument("--num-layers", type=int, default=2, help="Number of transformer layers.")
+    model.add_argument("--hidden-size", type=int, default=512, help="Transformer hidden size (model width).")
+    model.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="Hidden size of the MLP's first projection (default: 4 x --hidden-size).")
+    model.add_argument("--num-attention-heads", type=int, default=8, help="Number of attention heads.")
+    model.add_argument("--num-query-groups", type=int, default=None,
+                       help="Number of key/value groups for grouped-query attention "
+                       "(default: one per attention head, i.e. multi-head attention).")
+    model.add_argument("--kv-channels", type=int, default=None,
+                       help="Projection size of each attention head "
+                       "(default: --hidden-size / --num-attention-heads).")
+    model.add_argument("--seq-length", type=int, default=512, help="Length of each training sample, in tokens.")
+    model.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Longest sequence the position embeddings cover, in tokens (default: --seq-length).")
+    model.add_argument("--vocab-size", type=int, default=32000,
+                       help="Vocabulary size of the null tokenizer; the embedding table is padded to a "
+                       "multiple of 128 x --tensor-model-parallel-size.")
+    model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                       help="Normalization layer type.")
+    model.add_argument("--swiglu", action="store_true",
+                       help="Use the SwiGLU gated activation in the MLPs instead of GeLU.")
+    model.add_argument("--disable-bias-linear", action="store_true",
+                       help="Leave out the biases of the linear layers.")
+    model.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+                       help="Position embedding type: learned absolute embeddings or rotary (RoPE).")
+    model.add_argument("--rotary-base", type=int, default=10000,
+                       help="Base period of the rotary position embeddings (--position-embedding-type rope).")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Give the output layer its own weights instead of sharing the input embedding's.")
+    model.add_argument("--qk-layernorm", action="store_true",
+                       help="Normalize the queries and keys before computing the attention scores.")
+    model.add_argument("--init-method-std", type=float, default=0.02,
+                       help="Standard deviation of the normal distribution the weights are initialized from.")
+    model.add_argument("--hidden-dropout", type=float, default=0.1,
+                       help="Dropout probability on the outputs of the attention and MLP blocks.")
+    model.add_argument("--attention-dropout", type=float, default=0.1,
+                       help="Dropout probability on the attention probabilities.")
+    model.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
+                       help="Transformer layer implementation: Transformer Engine's or megatron-core's own.")
 
     moe = parser.add_argument_group("mixture of experts")
-    moe.add_argument("--num-experts", type=int, default=None)
-    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None)
-    moe.add_argument("--moe-router-topk", type=int, default=2)
-    moe.add_argument("--moe-grouped-gemm", action="store_true")
-    moe.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
-    moe.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"], default="deepep")
-    moe.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], default="aux_loss")
-    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
-    moe.add_argument("--moe-permute-fusion", action="store_true")
-    moe.add_argument("--moe-router-pre-softmax", action="store_true")
-    moe.add_argument("--moe-router-padding-for-quantization", action="store_true")
-    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    moe.add_argument("--num-experts", type=int, default=None,
+                     help="Number of experts in each MoE layer (default: a dense model, no experts).")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                     help="Hidden size of each expert's MLP (default: --ffn-hidden-size).")
+    moe.add_argument("--moe-router-topk", type=int, default=2, help="Number of experts each token is routed to.")
+    moe.add_argument("--moe-grouped-gemm", action="store_true",
+                     help="Compute a rank's experts with grouped GEMMs instead of one GEMM per expert.")
+    moe.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather",
+                     help="How tokens are sent to their experts' ranks: all-gather, all-to-all, or the flex "
+                     "dispatcher (DeepEP or HybridEP).")
+    moe.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"], default="deepep",
+                     help="Communication backend of the flex dispatcher (--moe-token-dispatcher-type flex).")
+    moe.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+                     default="aux_loss",
+                     help="Router load balancing: auxiliary loss per batch or per sequence, Sinkhorn, or none.")
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                     help="Scaling coefficient of the load-balancing auxiliary loss.")
+    moe.add_argument("--moe-permute-fusion", action="store_true",
+                     help="Use Transformer Engine's fused kernels to permute and unpermute the tokens.")
+    moe.add_argument("--moe-router-pre-softmax", action="store_true",
+                     help="Take the softmax over all router logits before the top-k selection "
+                     "(without it: over the top-k logits after it).")
+    moe.add_argument("--moe-router-padding-for-quantization", action="store_true",
+                     help="Pad each expert's token count to the alignment the FP8 GEMMs need "
+                     "(needs --fp8-format).")
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                     help="Total hidden size of the shared experts, which process every token "
+                     "(default: no shared experts).")
 
     parallel = parser.add_argument_group("parallelism")
-    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parallel.add_argument("--expert-model-parallel-size", type=int, default=1)
-    parallel.add_argument("--expert-tensor-parallel-size", type=int, default=None)
-    parallel.add_argument("--sequence-parallel", action="store_true")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                          help="Tensor model parallel size: ranks each layer's weights are split across.")
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                          help="Pipeline model parallel size: stages the layers are split into.")
+    parallel.add_argument("--expert-model-parallel-size", type=int, default=1,
+                          help="Expert model parallel size: ranks the experts are distributed across.")
+    parallel.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                          help="Tensor parallel size inside each expert (default: --tensor-model-parallel-size).")
+    parallel.add_argument("--sequence-parallel", action="store_true",
+                          help="Split the work outside the tensor-parallel layers (norms, dropout) along the "
+                          "sequence across the tensor-parallel ranks.")
 
     precision = parser.add_argument_group("precision")
-    precision.add_argument("--bf16", action="store_true")
-    precision.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
-    precision.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default="delayed")
+    precision.add_argument("--bf16", action="store_true", help="Train in bfloat16 mixed precision.")
+    precision.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                           help="Run the GEMMs in FP8: e4m3 throughout, or hybrid (e4m3 forward, e5m2 "
+                           "backward); needs --bf16 (default: no FP8).")
+    precision.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default="delayed",
+                           help="FP8 scaling recipe (with --fp8-format).")
 
     train = parser.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=1)
-    train.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x DP")
-    train.add_argument("--train-iters", type=int, default=100)
-    train.add_argument("--lr", type=float, default=1e-4)
-    train.add_argument("--min-lr", type=float, default=0.0)
-    train.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    train.add_argument("--lr-warmup-iters", type=int, default=0)
-    train.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
-    train.add_argument("--weight-decay", type=float, default=0.01)
-    train.add_argument("--clip-grad", type=float, default=1.0)
-    train.add_argument("--adam-beta1", type=float, default=0.9)
-    train.add_argument("--adam-beta2", type=float, default=0.999)
-    train.add_argument("--adam-eps", type=float, default=1e-8)
-    train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--use-distributed-optimizer", action="store_true")
-    train.add_argument("--overlap-grad-reduce", action="store_true")
-    train.add_argument("--deterministic-mode", action="store_true", help="deterministic kernels (exact resume)")
+    train.add_argument("--micro-batch-size", type=int, default=1,
+                       help="Samples per micro-batch on each data-parallel rank.")
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help="Samples per optimizer step over all data-parallel ranks; a multiple of "
+                       "--micro-batch-size x data-parallel size, reached by gradient accumulation "
+                       "(default: --micro-batch-size x data-parallel size).")
+    train.add_argument("--train-iters", type=int, default=100, help="Number of training iterations (optimizer steps).")
+    train.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate, reached after the warmup.")
+    train.add_argument("--min-lr", type=float, default=0.0, help="Learning rate the decay ends at.")
+    train.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine",
+                       help="Learning rate decay after the warmup.")
+    train.add_argument("--lr-warmup-iters", type=int, default=0,
+                       help="Iterations of linear learning rate warmup from 0 to --lr.")
+    train.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Iterations the learning rate decays over, warmup included (default: --train-iters).")
+    train.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay coefficient.")
+    train.add_argument("--clip-grad", type=float, default=1.0,
+                       help="Clip the gradients to this global L2 norm.")
+    train.add_argument("--adam-beta1", type=float, default=0.9,
+                       help="Adam's decay rate of the first moment (gradient mean).")
+    train.add_argument("--adam-beta2", type=float, default=0.999,
+                       help="Adam's decay rate of the second moment (squared gradient mean).")
+    train.add_argument("--adam-eps", type=float, default=1e-8,
+                       help="Term added to Adam's denominator for numerical stability.")
+    train.add_argument("--seed", type=int, default=1234,
+                       help="Random seed of the weight initialization, dropout and the data order.")
+    train.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Shard the optimizer states across the data-parallel ranks.")
+    train.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Overlap the data-parallel gradient reduction with the backward pass.")
+    train.add_argument("--deterministic-mode", action="store_true",
+                       help="Use deterministic kernels only, so that runs and resumed runs reproduce exactly.")
 
     data = parser.add_argument_group("data")
-    data.add_argument("--mock-data", action="store_true", help="synthetic data (the default without --data-path)")
-    data.add_argument("--data-path", nargs="*", default=None, help="Megatron indexed dataset prefixes [weight prefix ...]")
-    data.add_argument("--split", default="969,30,1")
-    data.add_argument("--data-cache-path", default=None)
+    data.add_argument("--mock-data", action="store_true",
+                      help="Train on synthetic data (also what happens without --data-path).")
+    data.add_argument("--data-path", nargs="*", default=None,
+                      help="Megatron indexed dataset prefixes: 'prefix ...' or 'weight prefix weight prefix ...' "
+                      "to blend several (default: synthetic data).")
+    data.add_argument("--split", default="969,30,1",
+                      help="Comma-separated weights of the train, validation and test splits of the data.")
+    data.add_argument("--data-cache-path", default=None,
+                      help="Directory for the dataset index caches (default: beside the dataset files).")
 
     log = parser.add_argument_group("logging and checkpoints")
-    log.add_argument("--log-interval", type=int, default=1)
-    log.add_argument("--save", default=None)
-    log.add_argument("--load", default=None)
-    log.add_argument("--save-interval", type=int, default=None)
+    log.add_argument("--log-interval", type=int, default=1,
+                     help="Print the loss, learning rate and timing every this many iterations.")
+    log.add_argument("--save", default=None,
+                     help="Directory to save checkpoints to; one is always saved at the end "
+                     "(default: no checkpoints).")
+    log.add_argument("--load", default=None,
+                     help="Checkpoint directory to resume from (default: train from scratch).")
+    log.add_argument("--save-interval", type=int, default=None,
+                     help="Save a checkpoint every this many iterations; needs --save "
+                     "(default: only at the end).")
     log.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                     help="save distributed-optimizer states per parameter (loads across DP/EP sizes "
-                     "and expert layouts) instead of per-DP-rank buffers")
+                     help="Save distributed-optimizer states per parameter (loads across DP/EP sizes "
+                     "and expert layouts) instead of per-DP-rank buffers.")
     log.add_argument("--use-checkpoint-args", action="store_true",
-                     help="take the model-defining args and the MoE patch flags from the --load checkpoint")
+                     help="Take the model-defining args and the MoE patch flags from the --load checkpoint.")
     log.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                     help="with --load: stop (exit status 2) when there is no checkpoint to load, "
-                     "instead of warning and training from scratch")
-    log.add_argument("--yaml-cfg", default=None, help="recipe: flat 'flag: value' or Megatron's nested form")
+                     help="With --load: stop (exit status 2) when there is no checkpoint to load, "
+                     "instead of warning and training from scratch.")
+    log.add_argument("--yaml-cfg", default=None,
+                     help="Recipe file or built-in recipe name whose values become the defaults (flags on "
+                     "the command line win): flat 'flag: value' or Megatron's nested form.")
+
+
+class DriverHelpFormatter(argparse.HelpFormatter):
+    """``--help`` ends each flag's help with ``(default: VALUE)`` where the default is a value.
+
+    Switches (``store_true``) and flags whose default is None (unset) print none: their
+    help says what happens without them.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "%(default)" in help_text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
 
 
 class DriverArgumentParser(argparse.ArgumentParser):
@@ -134,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = DriverArgumentParser(
         prog="pretrain_gpt.py",
         description="GPT/MoE pretraining on megatron-core with the MoE patch set applied.",
+        formatter_class=DriverHelpFormatter,
         allow_abbrev=False,
     )
     _add_standard_args(parser)
