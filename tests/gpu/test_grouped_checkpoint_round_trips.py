@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -105,31 +106,78 @@ def differences(a, b, tensors_only=False):
     return [k for k in a if not (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])]
 
 
+# The runs are pretrain_gpt.py processes of a tiny model, which leaves most of a GPU idle:
+# independent runs go side by side, this many at a time.
+PARALLEL = int(os.environ.get("MOE_PATCHES_GPU_PARALLEL", "6"))
+
+
+def side_by_side(jobs):
+    """{key: (function, *args)} run concurrently -> {key: Future} (all finished)."""
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        return {key: pool.submit(*job) for key, job in jobs.items()}
+
+
+def selected_params(request, test_name):
+    return [item.callspec.params for item in request.session.items
+            if item.module is request.module and item.originalname == test_name]
+
+
+def train_a(root, layout):
+    losses = pretrain(layout, STEPS + 1, root, extra=["--save-interval", str(STEPS)])
+    (root / "latest_checkpointed_iteration.txt").write_text(str(STEPS))  # resume from STEPS
+    return root, losses[STEPS + 1]
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """layout -> (a checkpoint at STEPS, the loss of step STEPS + 1), trained once per layout."""
-    cache = {}
+def trained(request, tmp_path_factory):
+    """layout -> (a checkpoint at STEPS, the loss of step STEPS + 1), trained once per layout;
+    the layouts the selected tests need are trained side by side first."""
+    needed = {p["x"] for p in selected_params(request, "test_layout_round_trip_keeps_every_tensor")}
+    needed |= {p["layout"] for p in selected_params(request, "test_damaged_checkpoint_is_refused_and_loads_nothing")}
+    cache = side_by_side({layout: (train_a, tmp_path_factory.mktemp(f"A-{layout}"), layout) for layout in needed})
 
     def get(layout):
         if layout not in cache:
-            root = tmp_path_factory.mktemp(f"A-{layout}")
-            losses = pretrain(layout, STEPS + 1, root, extra=["--save-interval", str(STEPS)])
-            (root / "latest_checkpointed_iteration.txt").write_text(str(STEPS))  # resume from STEPS
-            cache[layout] = (root, losses[STEPS + 1])
-        return cache[layout]
+            cache[layout] = side_by_side({layout: (train_a, tmp_path_factory.mktemp(f"A-{layout}"), layout)})[layout]
+        return cache[layout].result()
 
     return get
 
 
+@pytest.fixture(scope="module")
+def round_trips(request, trained, tmp_path_factory):
+    """(x, y) -> the runs of that round trip, made for all selected pairs side by side:
+    B = A loaded as y, D = y's next step from A, then C = B loaded back as x."""
+    pairs = [(p["x"], p["y"]) for p in selected_params(request, "test_layout_round_trip_keeps_every_tensor")]
+    roots = {pair: tmp_path_factory.mktemp("-".join(pair)) for pair in pairs}
+    a_roots = {}
+    for x, _ in pairs:
+        try:
+            a_roots[x] = trained(x)[0]
+        except Exception:  # the pair's test re-raises it through trained()
+            pass
+    first = side_by_side({
+        (pair, run): (pretrain, pair[1], STEPS + (run == "D"), roots[pair] / run, a_roots[pair[0]])
+        for pair in pairs if pair[0] in a_roots for run in ("B", "D")
+    })
+    second = side_by_side({
+        (pair, "C"): (pretrain, pair[0], STEPS, roots[pair] / "C", roots[pair] / "B")
+        for pair in pairs if (pair, "B") in first and first[pair, "B"].exception() is None
+    })
+    return {pair: {"root": roots[pair], **{run: f for (p, run), f in {**first, **second}.items() if p == pair}}
+            for pair in pairs}
+
+
 @pytest.mark.parametrize("x, y, same_kernels", PAIRS)
-def test_layout_round_trip_keeps_every_tensor(single_gpu, trained, tmp_path, x, y, same_kernels):
+def test_layout_round_trip_keeps_every_tensor(single_gpu, trained, round_trips, x, y, same_kernels):
     a_root, x_next = trained(x)
-    pretrain(y, STEPS, tmp_path / "B", load=a_root)
-    pretrain(x, STEPS, tmp_path / "C", load=tmp_path / "B")
-    a, b, c = tensors(a_root), tensors(tmp_path / "B"), tensors(tmp_path / "C")
+    runs = round_trips[x, y]
+    runs["B"].result()
+    runs["C"].result()
+    y_next = runs["D"].result()[STEPS + 1]
+    a, b, c = tensors(a_root), tensors(runs["root"] / "B"), tensors(runs["root"] / "C")
     optimizer_keys = [k for k in a if k.startswith("optimizer.state.")]
     expert_keys = [k for k in optimizer_keys if ".experts." in k]
-    y_next = pretrain(y, STEPS + 1, tmp_path / "D", load=a_root)[STEPS + 1]
     print(json.dumps({"pair": [x, y], "tensors": len(a), "optimizer_state_tensors": len(optimizer_keys),
                       "expert_optimizer_tensors": len(expert_keys), "a_vs_b": differences(a, b)[:4],
                       "a_vs_c": differences(a, c)[:4], "next_loss": [x_next, y_next]}))
