@@ -25,6 +25,7 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.14"],
         "test": ["pytest"],
         "plot": ["matplotlib"],  # benchmarks/plot.py only
+        "tensorboard": ["tensorboard"],  # pretrain_gpt.py --tensorboard-dir
     },
     entry_points={
         "console_scripts": [

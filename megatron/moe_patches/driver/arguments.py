@@ -15,6 +15,7 @@ problems) naming the flags and the fix, with exit status 2 and no traceback.
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import re
@@ -170,6 +171,13 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     log = parser.add_argument_group("logging and checkpoints")
     log.add_argument("--log-interval", type=int, default=1,
                      help="Print the loss, learning rate and timing every this many iterations.")
+    log.add_argument("--tensorboard-dir", default=None,
+                     help="Write the logged metrics (loss, learning rate, grad norm, iteration time, "
+                     "throughput, memory) as TensorBoard scalars into this directory; needs the "
+                     "tensorboard package (default: no TensorBoard).")
+    log.add_argument("--timing-log-level", type=int, choices=[0, 1], default=0,
+                     help="1: also time the forward-backward and optimizer phases of each iteration "
+                     "(adds a GPU sync between them).")
     log.add_argument("--save", default=None,
                      help="Directory to save checkpoints to; one is always saved at the end "
                      "(default: no checkpoints).")
@@ -362,6 +370,10 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(name)} {value}: must be above 0")
 
 
+def _tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
 def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     """Fill derived defaults and reject contradictions (ValueError naming the flags and the fix).
 
@@ -374,6 +386,9 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         raise ValueError("--mock-data and --data-path contradict each other: choose one")
     if args.use_checkpoint_args and not args.load:
         raise ValueError("--use-checkpoint-args needs --load")
+    if args.tensorboard_dir and not _tensorboard_installed():
+        raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                         "(or this package's 'tensorboard' extra), or drop --tensorboard-dir")
     if getattr(args, "exit_on_missing_checkpoint", False) and not args.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load (the checkpoint directory)")
     if args.save_interval is not None and not args.save:

@@ -218,24 +218,57 @@ def model_flops_per_token(args) -> float:
     return 3.0 * (args.num_layers * (attention + mlp) + 2 * h * padded_vocab_size(args))
 
 
-def _log_line(args, iteration, elapsed, lr, loss, grad_norm, started):
+def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_allocated, mem_max_allocated):
+    """One logged iteration's numbers, under the names Megatron-LM gives them in TensorBoard.
+
+    ``times``: seconds of the whole iteration (``"iteration"``) and, with --timing-log-level,
+    of its phases (``"forward-backward"``, ``"optimizer"``)."""
     tokens = args.global_batch_size * args.seq_length
-    world = dist.get_world_size()
+    elapsed = times["iteration"]
+    metrics = {
+        "lm loss": loss,
+        "learning-rate": lr,
+        "grad-norm": grad_norm,
+        "iteration-time": elapsed,
+        "throughput": model_flops_per_token(args) * tokens / elapsed / world / 1e12,
+        "tokens-per-sec": tokens / elapsed,
+        "consumed-samples": iteration * args.global_batch_size,
+        "mem-allocated-bytes": mem_allocated,
+        "mem-max-allocated-bytes": mem_max_allocated,
+    }
+    metrics.update({f"{phase}-time": seconds for phase, seconds in times.items() if phase != "iteration"})
+    return metrics
+
+
+def _log_line(args, iteration, metrics, started):
     done = iteration / args.train_iters
     eta = (time.time() - started) / max(done, 1e-9) * (1 - done)
+    phases = "".join(
+        f" | {name[:-len('-time')]} (ms): {value * 1000:.1f}"
+        for name, value in metrics.items()
+        if name.endswith("-time") and name != "iteration-time"
+    )
     return (
         f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d}"
-        f" | consumed samples: {iteration * args.global_batch_size:12d}"
-        f" | elapsed time per iteration (ms): {elapsed * 1000:.1f}"
-        f" | throughput per GPU (TFLOP/s/GPU): {model_flops_per_token(args) * tokens / elapsed / world / 1e12:.1f}"
-        f" | tokens/s: {tokens / elapsed:.0f}"
-        f" | learning rate: {lr:.6E}"
+        f" | consumed samples: {metrics['consumed-samples']:12d}"
+        f" | elapsed time per iteration (ms): {metrics['iteration-time'] * 1000:.1f}"
+        f"{phases}"
+        f" | throughput per GPU (TFLOP/s/GPU): {metrics['throughput']:.1f}"
+        f" | tokens/s: {metrics['tokens-per-sec']:.0f}"
+        f" | learning rate: {metrics['learning-rate']:.6E}"
         f" | global batch size: {args.global_batch_size:5d}"
-        f" | lm loss: {loss:.6E}"
-        f" | grad norm: {grad_norm:.3f}"
-        f" | mem (MiB): {torch.cuda.memory_allocated() / 2**20:.0f}/{torch.cuda.max_memory_allocated() / 2**20:.0f}"
+        f" | lm loss: {metrics['lm loss']:.6E}"
+        f" | grad norm: {metrics['grad-norm']:.3f}"
+        f" | mem (MiB): {metrics['mem-allocated-bytes'] / 2**20:.0f}/{metrics['mem-max-allocated-bytes'] / 2**20:.0f}"
         f" | progress: {100 * done:5.1f}% eta {datetime.timedelta(seconds=int(eta))}"
     )
+
+
+def write_tensorboard(writer, metrics, iteration) -> None:
+    """Every metric as a scalar at ``iteration`` (Megatron-LM's names: "lm loss", ...)."""
+    for name, value in metrics.items():
+        writer.add_scalar(name, value, iteration)
+    writer.flush()
 
 
 def setup(args: argparse.Namespace):
@@ -284,10 +317,11 @@ def pretrain(args: argparse.Namespace) -> None:
     )
     num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     forward_backward = get_forward_backward_func()
-    started, last_saved = time.time(), None
+    started, last_saved, tensorboard = time.time(), None, None
     while iteration < args.train_iters:
         torch.cuda.synchronize()
         tick = time.time()
+        times = {}
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
@@ -299,21 +333,37 @@ def pretrain(args: argparse.Namespace) -> None:
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
+        if args.timing_log_level:  # a sync between the phases: only when asked for
+            torch.cuda.synchronize()
+            times["forward-backward"] = time.time() - tick
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=args.global_batch_size)
         iteration += 1
         torch.cuda.synchronize()
-        elapsed = time.time() - tick
+        times["iteration"] = time.time() - tick
+        if args.timing_log_level:
+            times["optimizer"] = times["iteration"] - times["forward-backward"]
         if iteration % args.log_interval == 0 and parallel_state.is_pipeline_last_stage():
             loss = torch.stack([m["lm loss"] for m in losses]).mean().item()
             if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-                lr = optimizer.param_groups[0]["lr"]
-                print(_log_line(args, iteration, elapsed, lr, loss, grad_norm or 0.0, started), flush=True)
+                metrics = iteration_metrics(
+                    args, iteration, times, optimizer.param_groups[0]["lr"], loss, grad_norm or 0.0,
+                    dist.get_world_size(), torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                )
+                print(_log_line(args, iteration, metrics, started), flush=True)
+                if args.tensorboard_dir:
+                    if tensorboard is None:  # made on the one rank that logs, as Megatron-LM does
+                        from torch.utils.tensorboard import SummaryWriter
+
+                        tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+                    write_tensorboard(tensorboard, metrics, iteration)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save(args.save, iteration, gpt, optimizer, scheduler, args)
             last_saved = iteration
     if args.save and last_saved != iteration:
         checkpointing.save(args.save, iteration, gpt, optimizer, scheduler, args)
+    if tensorboard is not None:
+        tensorboard.close()
     _print_rank0(f"training done: {iteration} iterations in {time.time() - started:.1f} s")
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,64 @@
+"""What each logged iteration reports, and where: the log line and TensorBoard scalars under
+Megatron-LM's names. The numbers come from the loop on a GPU; these tests check the
+arithmetic and the wiring on CPU."""
+
+import argparse
+import types
+
+import pytest
+
+from megatron.moe_patches.driver import arguments, training
+from megatron.moe_patches.driver.arguments import parse_args
+
+
+def args(**overrides):
+    namespace = argparse.Namespace(global_batch_size=16, seq_length=256, train_iters=100)
+    vars(namespace).update(overrides)
+    return namespace
+
+
+def test_metrics_and_the_log_line(monkeypatch):
+    monkeypatch.setattr(training, "model_flops_per_token", lambda a: 1e9)
+    times = {"iteration": 0.5, "forward-backward": 0.4, "optimizer": 0.1}
+    metrics = training.iteration_metrics(args(), 10, times, 1e-3, 2.5, 0.75, 2, 3 * 2**20, 5 * 2**20)
+    assert metrics == {
+        "lm loss": 2.5, "learning-rate": 1e-3, "grad-norm": 0.75, "iteration-time": 0.5,
+        "throughput": 1e9 * 16 * 256 / 0.5 / 2 / 1e12, "tokens-per-sec": 16 * 256 / 0.5,
+        "consumed-samples": 160, "mem-allocated-bytes": 3 * 2**20, "mem-max-allocated-bytes": 5 * 2**20,
+        "forward-backward-time": 0.4, "optimizer-time": 0.1,
+    }
+    line = training._log_line(args(), 10, metrics, started=0.0)
+    for part in ("iteration       10/     100", "consumed samples:          160",
+                 "elapsed time per iteration (ms): 500.0", "forward-backward (ms): 400.0", "optimizer (ms): 100.0",
+                 "tokens/s: 8192", "learning rate: 1.000000E-03", "lm loss: 2.500000E+00", "grad norm: 0.750",
+                 "mem (MiB): 3/5"):
+        assert part in line, (part, line)
+
+
+def test_no_phase_times_without_the_timing_level(monkeypatch):
+    monkeypatch.setattr(training, "model_flops_per_token", lambda a: 1e9)
+    metrics = training.iteration_metrics(args(), 1, {"iteration": 0.5}, 1e-3, 2.5, 0.75, 1, 0, 0)
+    assert not [name for name in metrics if name.endswith("-time") and name != "iteration-time"]
+    assert "(ms): " in training._log_line(args(), 1, metrics, 0.0) and "optimizer (ms)" not in training._log_line(
+        args(), 1, metrics, 0.0)
+
+
+def test_tensorboard_gets_every_metric_at_its_iteration():
+    written = []
+    writer = types.SimpleNamespace(add_scalar=lambda name, value, step: written.append((name, value, step)),
+                                   flush=lambda: written.append("flush"))
+    training.write_tensorboard(writer, {"lm loss": 2.5, "learning-rate": 1e-3}, 7)
+    assert written == [("lm loss", 2.5, 7), ("learning-rate", 1e-3, 7), "flush"]
+
+
+def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path, refused):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(arguments, "_tensorboard_installed", lambda: False)
+    assert refused(["--tensorboard-dir", str(tmp_path)]).startswith("--tensorboard-dir needs the tensorboard package")
+    monkeypatch.setattr(arguments, "_tensorboard_installed", lambda: True)
+    assert parse_args(["--tensorboard-dir", str(tmp_path), "--timing-log-level", "1"]).timing_log_level == 1
+
+
+@pytest.mark.parametrize("level", ["2", "x"])
+def test_timing_level_choices(level, refused):
+    assert "--timing-log-level" in refused(["--timing-log-level", level])
