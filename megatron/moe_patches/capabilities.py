@@ -143,12 +143,9 @@ def note_reverted(patched) -> None:
 
 def stock(obj):
     """The stock object behind ``obj`` if ``obj`` is one of our installed replacements
-    (through every layer: a patch may replace another patch's class)."""
+    (each patched class replaces a stock one directly), else ``obj``."""
     entry = _installed.get(id(obj))
-    while entry is not None and entry[0] is obj:
-        obj = entry[1]
-        entry = _installed.get(id(obj))
-    return obj
+    return entry[1] if entry is not None and entry[0] is obj else obj
 
 
 def _config_fields(config_class=None) -> set:
