@@ -36,7 +36,7 @@ from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
 VARIANTS = {
     "stock": None,
     "patched": {},
-    # F8 + the sync-free grouped_mm expert backend (bf16); FP8 keeps the TE backend.
+    # F8 + the sync-free expert backends: grouped_mm (bf16), fp8_grouped_mm (F10, FP8 tensorwise).
     "device-splits": {"moe_device_tokens_per_expert": True},
     # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
     "op-fuser": {"use_transformer_engine_op_fuser": True},
@@ -44,15 +44,19 @@ VARIANTS = {
 }
 
 
-def measure(layer, hidden, grad, warmup: int, iters: int):
+def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step: int = 1):
+    from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
+
     for _ in range(warmup):
         forward_backward(layer, hidden, grad)
         layer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(iters):
+    for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if i % microbatches_per_step == 0:
+            invalidate_weight_caches()  # an optimizer step: cached FP8 weights are requantized
         start.record()
         forward_backward(layer, hidden, grad)
         end.record()
@@ -62,7 +66,7 @@ def measure(layer, hidden, grad, warmup: int, iters: int):
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_variant(name, shape, tokens, precision, warmup, iters):
+def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_step=1):
     import megatron.core.transformer.transformer_config as tc_module
 
     overrides = VARIANTS[name]
@@ -75,12 +79,13 @@ def run_variant(name, shape, tokens, precision, warmup, iters):
         generator = torch.Generator(device="cuda").manual_seed(0)
         hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         grad = torch.randn_like(hidden)
-        ms, peak = measure(layer, hidden, grad, warmup, iters)
+        ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
+        backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")
     finally:
         revert()
         del layer
         torch.cuda.empty_cache()
-    return ms, peak
+    return ms, peak, backend
 
 
 def main(argv=None):
@@ -91,6 +96,8 @@ def main(argv=None):
     parser.add_argument("--variants", default="stock", help=f"comma list of {list(VARIANTS)}")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--microbatches-per-step", type=int, default=1,
+                        help="timed iterations between optimizer steps (FP8 weight caches refresh at each)")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
 
@@ -110,15 +117,18 @@ def main(argv=None):
             for precision in args.precisions.split(","):
                 stock_ms = None
                 for variant in variants:
-                    ms, peak = run_variant(variant, shape, tokens, precision, args.warmup, args.iters)
+                    ms, peak, backend = run_variant(
+                        variant, shape, tokens, precision, args.warmup, args.iters, args.microbatches_per_step
+                    )
                     stock_ms = ms if variant == "stock" else stock_ms
                     row = dict(
-                        shape=shape_name, tokens=tokens, precision=precision, variant=variant,
+                        shape=shape_name, tokens=tokens, precision=precision, variant=variant, backend=backend,
                         ms=round(ms, 3),
                         tflops=round(expert_gemm_flops(shape, tokens) / ms / 1e9, 1),
                         peak_mib=round(peak),
                         speedup_vs_stock=round(stock_ms / ms, 3),
                         device=device,
+                        microbatches_per_step=args.microbatches_per_step,
                     )
                     line = json.dumps(row)
                     print(line, flush=True)

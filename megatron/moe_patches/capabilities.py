@@ -116,6 +116,13 @@ def te_grouped_linear_device_splits() -> bool:
     return grouped_linear is not None and accepts_parameter(grouped_linear.forward, "m_splits_tensor")
 
 
+def triton_available() -> bool:
+    """Triton (the FP8 experts' quantization kernels) is importable."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def deep_ep_hybridep_blocks() -> bool:
     """Whether deep_ep's HybridEP buffer takes permute/unpermute block counts (F2)."""
     try:

@@ -94,24 +94,41 @@ def expert_of_row(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets_E, rows_T, right=True).clamp_(max=offsets_E.numel() - 1)
 
 
-def grouped_mm_mlp(
-    x_TH, tokens_per_expert_E, probs_T, w1_EOI, w2_EOI, config, b1_EO=None, b2_EO=None
-) -> torch.Tensor:
+class RowGroups:
+    """The experts' rows grouped by expert: device end offsets and, computed on first use
+    (biases, per-expert FP8 scales), the expert of each row."""
+
+    def __init__(self, tokens_per_expert_E: torch.Tensor, num_rows: int, device):
+        # Counts from a dispatcher that keeps them on the host (allgather) go up once.
+        self.offsets_E = torch.cumsum(tokens_per_expert_E.to(device, non_blocking=True), dim=0, dtype=torch.int32)
+        self.num_rows = num_rows
+        self._expert_T = None
+
+    @property
+    def expert_T(self) -> torch.Tensor:
+        if self._expert_T is None:
+            self._expert_T = expert_of_row(self.offsets_E, self.num_rows)
+        return self._expert_T
+
+
+def bf16_grouped_linear(w_EOI: torch.Tensor, groups: RowGroups):
+    """x_TI -> x_TI @ w_EOI[expert(row)]^T as one torch._grouped_mm."""
+    return lambda x_TI: torch._grouped_mm(x_TI, w_EOI.transpose(1, 2), offs=groups.offsets_E)
+
+
+def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, config, b1_EO=None, b2_EO=None) -> torch.Tensor:
     """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
     device offsets: the TE experts' math (FC2's bias is scaled by the router prob, as
-    megatron-core's TEGroupedMLP applies it)."""
+    megatron-core's TEGroupedMLP applies it). ``fc1``/``fc2`` map [rows, in] -> [rows, out]
+    grouped by ``groups`` (bf16 or FP8 grouped GEMMs)."""
     from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
     from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
-    # Counts from a dispatcher that keeps them on the host (allgather) go up once.
-    offsets_E = torch.cumsum(tokens_per_expert_E.to(x_TH.device, non_blocking=True), dim=0, dtype=torch.int32)
-    h_TF2 = torch._grouped_mm(x_TH, w1_EOI.transpose(1, 2), offs=offsets_E)
-    if b1_EO is not None or b2_EO is not None:
-        expert_T = expert_of_row(offsets_E, x_TH.shape[0])
+    h_TF2 = fc1(x_TH)
     # Biases are gathered per row in fp32: the add rounds once (as TE's GEMM epilogue does)
     # and each expert's bias gradient sums its rows in fp32 before the one cast back.
     if b1_EO is not None:
-        h_TF2 = (h_TF2 + b1_EO.float()[expert_T]).to(h_TF2.dtype)
+        h_TF2 = (h_TF2 + b1_EO.float()[groups.expert_T]).to(h_TF2.dtype)
     weights_T1 = probs_T.unsqueeze(-1)
     if glu_activation(config) == "swiglu":
         a_TF = weighted_bias_swiglu_impl(h_TF2, None, weights_T1)
@@ -119,17 +136,26 @@ def grouped_mm_mlp(
         a_TF = weighted_bias_quick_geglu_impl(
             h_TF2, None, weights_T1, False, config.glu_linear_offset, config.activation_func_clamp_value
         )
-    out_TH = _ContiguousGrad.apply(torch._grouped_mm(a_TF.to(x_TH.dtype), w2_EOI.transpose(1, 2), offs=offsets_E))
+    out_TH = _ContiguousGrad.apply(fc2(a_TF.to(x_TH.dtype)))
     if b2_EO is not None:
-        out_TH = (out_TH + b2_EO.float()[expert_T] * weights_T1).to(x_TH.dtype)
+        out_TH = (out_TH + b2_EO.float()[groups.expert_T] * weights_T1).to(x_TH.dtype)
     return out_TH
 
 
 class GroupedMMBackend(ExpertBackend):
-    """Sync-free experts: one torch._grouped_mm per FC over all local experts (bf16)."""
+    """Sync-free experts: one torch._grouped_mm per FC over all local experts (bf16).
+
+    Subclasses that compute in another precision override ``precision_blocker`` and
+    ``linear`` (``fp8_grouped_mm.FP8GroupedMMBackend``)."""
 
     name = "grouped_mm"
     holds_single_grouped_params = True
+
+    @classmethod
+    def precision_blocker(cls, config) -> Optional[str]:
+        if config.fp8 or config.fp4:
+            return "it computes in bf16 only (FP8 tensorwise runs the fp8_grouped_mm backend)"
+        return None
 
     @classmethod
     def blocker(cls, config) -> Optional[str]:
@@ -137,8 +163,9 @@ class GroupedMMBackend(ExpertBackend):
             return "moe_device_tokens_per_expert is off"
         if not hasattr(torch, "_grouped_mm"):
             return f"torch {torch.__version__} has no torch._grouped_mm"
-        if config.fp8 or config.fp4:
-            return "it computes in bf16 only (FP8/FP4 use the TE backend)"
+        precision = cls.precision_blocker(config)
+        if precision is not None:
+            return precision
         if config.params_dtype is not torch.bfloat16:
             return f"it needs bf16 parameters (params_dtype={config.params_dtype})"
         if glu_activation(config) is None:
@@ -147,6 +174,8 @@ class GroupedMMBackend(ExpertBackend):
             return "expert tensor parallelism > 1"
         if config.moe_apply_probs_on_input:
             return "--moe-apply-probs-on-input"
+        if config.delay_wgrad_compute:  # TE's delayed wgrad step would find nothing to compute
+            return "--delay-wgrad-compute: it computes the experts' weight gradients in its own backward"
         if patch_option(config, "use_transformer_engine_op_fuser"):
             return "the op fuser owns the experts' compute"
         if config.fine_grained_activation_offloading or (
@@ -176,15 +205,30 @@ class GroupedMMBackend(ExpertBackend):
     def _params(linear, name="weight"):
         return [getattr(linear, f"{name}{i}") for i in range(linear.num_gemms)]
 
+    def _weight_sources(self, linear):
+        """The parameters an FC's [E, out, in] weight is assembled from."""
+        return [linear.weight] if is_grouped(linear, "weight") else self._params(linear)
+
     def _grouped(self, linear, name="weight"):
         if is_grouped(linear, name):  # moe_single_grouped_weight/_bias: the parameter is the group
             return getattr(linear, name)
         return grouped_weight(self._blocks[linear, name], self._params(linear, name))
 
+    def linear(self, linear, w_EOI, groups: RowGroups):
+        """The FC ``linear`` as a function of its grouped input rows."""
+        return bf16_grouped_linear(w_EOI, groups)
+
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+        groups = RowGroups(tokens_per_expert_E, x_TH.shape[0], x_TH.device)
         biases = (self._grouped(fc1, "bias"), self._grouped(fc2, "bias")) if self._biases else (None, None)
         out_TH = grouped_mm_mlp(
-            x_TH, tokens_per_expert_E, probs_T, self._grouped(fc1), self._grouped(fc2), experts.config, *biases
+            x_TH,
+            groups,
+            probs_T,
+            self.linear(fc1, self._grouped(fc1), groups),
+            self.linear(fc2, self._grouped(fc2), groups),
+            experts.config,
+            *biases,
         )
         return out_TH, None

@@ -9,10 +9,18 @@ methods, whether it can run a config (``blocker``), which quantization alignment
 Backends: ``te`` (here: megatron-core's own TE GroupedLinear path), ``grouped_mm``
 (``device_splits``, F8) and ``op_fuser`` (``op_fuser_grouped_mlp``, F4).
 
+With ``moe_device_tokens_per_expert`` and a Transformer Engine whose module GroupedLinear
+takes ``m_splits_tensor`` (ROCm's TE), the ``te`` backend also hands the GPU-resident counts
+to FC1's and FC2's GroupedLinear, so TE's grouped GEMM reads them on the device instead of
+uploading the host list again for every GEMM. The host list is still made, once per layer:
+that GroupedLinear reads it on the host too (output rows, kernel launch grid, and the
+per-expert split outside its Triton path), so a placeholder list would give wrong results.
+
 Tensor names carry their shape: ``x_TH`` is [tokens, hidden], ``w_EOI`` is
 [experts, out, in], ``tokens_per_expert_E`` is [experts].
 """
 
+import functools
 import logging
 from typing import Optional
 
@@ -89,23 +97,102 @@ class ExpertBackend:
         return sharded
 
 
+class _SplitsWithDeviceCounts(list):
+    """The host split sizes, carrying the same counts as a GPU tensor (``on_device``) to
+    where megatron-core's TEGroupedLinear hands the list to TE's GroupedLinear."""
+
+    __slots__ = ("on_device",)
+
+    def __init__(self, host_counts, on_device: torch.Tensor):
+        super().__init__(host_counts)
+        self.on_device = on_device
+
+
+class _CountsForStockForward:
+    """What the TE backend passes stock ``TEGroupedMLP.forward`` as tokens_per_expert: the
+    stock forward's first step, ``.tolist()``, then yields the list that carries the device
+    counts on to linear_fc1 and linear_fc2. A list that padding rebuilds (FP8's
+    Fp8Padding) carries none, so padded splits never meet unpadded device counts."""
+
+    __slots__ = ("splits",)
+
+    def __init__(self, splits: _SplitsWithDeviceCounts):
+        self.splits = splits
+
+    def tolist(self):
+        return self.splits
+
+
+@functools.lru_cache(maxsize=None)
+def _device_splits_step(te_grouped_linear: type) -> type:
+    """A class that sits between megatron-core's TEGroupedLinear and TE's GroupedLinear and
+    adds ``m_splits_tensor`` when the splits carry device counts: megatron-core's wrapper
+    calls ``super().forward(x, m_splits, is_first_microbatch=...)`` and passes nothing else."""
+
+    class PassesDeviceSplits(te_grouped_linear):
+        def forward(self, inp, m_splits, *args, **kwargs):
+            on_device = getattr(m_splits, "on_device", None)
+            if on_device is not None:
+                kwargs["m_splits_tensor"] = on_device
+            return super().forward(inp, m_splits, *args, **kwargs)
+
+    return PassesDeviceSplits
+
+
+@functools.lru_cache(maxsize=None)
+def _with_device_splits(linear_class: type, te_grouped_linear: type) -> type:
+    step = _device_splits_step(te_grouped_linear)
+    # MRO: linear_class, its megatron-core bases, step, TE's GroupedLinear: megatron-core's
+    # forward runs unchanged and its super().forward reaches the step.
+    return type(linear_class.__name__, (linear_class, step), {"__module__": linear_class.__module__})
+
+
+def pass_device_splits(linear: torch.nn.Module, te_grouped_linear: type) -> None:
+    """Make ``linear`` (a TE GroupedLinear through megatron-core's wrapper) hand TE the
+    device counts that its splits carry. The module object, its parameters and its state
+    dict stay the same; only its class gains the step."""
+    if not isinstance(linear, _device_splits_step(te_grouped_linear)):
+        linear.__class__ = _with_device_splits(type(linear), te_grouped_linear)
+
+
 class TEBackend(ExpertBackend):
-    """megatron-core's TE path: TE GroupedLinear per expert, counts copied to the host once."""
+    """megatron-core's TE path: TE GroupedLinear per expert, counts copied to the host once
+    per layer; with device splits (decided at construction) TE also gets them on the GPU."""
 
     name = "te"
 
     def __init__(self, experts):
-        # The flag asked for no host copy; this backend still makes one: worth a warning.
-        if patch_option(experts.config, "moe_device_tokens_per_expert"):
+        self.passes_device_splits = False
+        if not patch_option(experts.config, "moe_device_tokens_per_expert"):
+            return
+        te_grouped_linear = cap.te_attr("GroupedLinear") if cap.te_grouped_linear_device_splits() else None
+        if te_grouped_linear is not None and all(
+            isinstance(linear, te_grouped_linear) for linear in (experts.linear_fc1, experts.linear_fc2)
+        ):
+            for linear in (experts.linear_fc1, experts.linear_fc2):
+                pass_device_splits(linear, te_grouped_linear)
+            self.passes_device_splits = True
             te_splits = (
-                "takes m_splits_tensor, which this version does not pass yet"
-                if cap.te_grouped_linear_device_splits()
-                else "takes no device splits (m_splits_tensor)"
+                "takes m_splits_tensor and gets the counts on the GPU, but still reads the list "
+                "on the host (output rows, kernel grid)"
             )
-            log_once(
-                logger,
-                logging.WARNING,
-                f"moe_device_tokens_per_expert: these experts run the TE backend (the log says why "
-                f"not grouped_mm), and Transformer Engine {cap.te_version()}'s GroupedLinear {te_splits}: "
-                "tokens_per_expert is copied to the host once per layer.",
-            )
+        else:
+            te_splits = "takes no device splits (m_splits_tensor)"
+        # The flag asked for no host copy; this backend still makes one: worth a warning.
+        log_once(
+            logger,
+            logging.WARNING,
+            f"moe_device_tokens_per_expert: these experts run the TE backend (the log says why "
+            f"not grouped_mm), and Transformer Engine {cap.te_version()}'s GroupedLinear {te_splits}: "
+            "tokens_per_expert is copied to the host once per layer.",
+        )
+
+    def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
+        host_E = host_tokens_per_expert(tokens_per_expert_E)
+        # Counts the dispatcher left on the host (allgather) stay host-only: TE's kernels
+        # want the counts on the tokens' device.
+        if not self.passes_device_splits or tokens_per_expert_E.device != x_TH.device:
+            return self.stock.forward(experts, x_TH, host_E, probs_T)
+        # int32: the grouped-GEMM kernels behind m_splits_tensor read int32 group sizes.
+        splits = _SplitsWithDeviceCounts(host_E.tolist(), tokens_per_expert_E.to(torch.int32))
+        return self.stock.forward(experts, x_TH, _CountsForStockForward(splits), probs_T)

@@ -12,16 +12,19 @@ from typing import Dict, Optional, Tuple, Type
 from megatron.moe_patches.device_splits import GroupedMMBackend
 from megatron.moe_patches.expert_backends import ExpertBackend, TEBackend
 from megatron.moe_patches.fields import log_once, patch_option
+from megatron.moe_patches.fp8_grouped_mm import FP8GroupedMMBackend
 from megatron.moe_patches.op_fuser_grouped_mlp import OpFuserBackend
 
 logger = logging.getLogger(__name__)
 
-BACKENDS: Tuple[Type[ExpertBackend], ...] = (OpFuserBackend, GroupedMMBackend, TEBackend)
+BACKENDS: Tuple[Type[ExpertBackend], ...] = (OpFuserBackend, FP8GroupedMMBackend, GroupedMMBackend, TEBackend)
 
-# The field that asks for each optional backend: a fallback from it is worth a log line.
+# The field that asks for each optional backend, and the precision it serves: a fallback
+# from a backend the config asked for is worth a log line.
 _REQUESTED_BY = {
-    OpFuserBackend: "use_transformer_engine_op_fuser",
-    GroupedMMBackend: "moe_device_tokens_per_expert",
+    OpFuserBackend: ("use_transformer_engine_op_fuser", None),
+    FP8GroupedMMBackend: ("moe_device_tokens_per_expert", True),
+    GroupedMMBackend: ("moe_device_tokens_per_expert", False),
 }
 
 
@@ -37,8 +40,8 @@ def select_backend(config) -> Type[ExpertBackend]:
         reason = backend.blocker(config)
         if reason is None:
             return backend
-        field = _REQUESTED_BY.get(backend)
-        if field is not None and patch_option(config, field):
+        field, fp8 = _REQUESTED_BY.get(backend, (None, None))
+        if field is not None and patch_option(config, field) and fp8 in (None, bool(config.fp8)):
             level = logging.WARNING if backend is OpFuserBackend else logging.INFO
             log_once(logger, level, f"{field}: not the {backend.name} expert backend because of {reason}")
     return TEBackend

@@ -57,11 +57,13 @@ def quantization_alignment(config) -> Optional[int]:
 
     FP8/FP4: the recipe's GEMM alignment (16; 32 for MXFP8/FP4), unless the experts'
     backend needs another (the op fuser's 256 where TE fuses the MLP into one kernel;
-    every recipe alignment divides it). bf16 pads nowhere.
+    every recipe alignment divides it; the FP8 grouped GEMM's 1: any row count). bf16
+    pads nowhere.
     """
     if not (config.fp8 or config.fp4):
         return None
-    return select_backend(config).required_alignment(config) or get_align_size_for_quantization(config)
+    align = select_backend(config).required_alignment(config) or get_align_size_for_quantization(config)
+    return None if align == 1 else align
 
 
 def _fused_permute_pad_blocker(config) -> Optional[str]:

@@ -32,4 +32,5 @@ def case_results(request, tmp_path_factory):
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.quick) if c == QUICK else c for c in CASES])
 def test_case_matches_golden_values(case, case_results):
     result = case_results[case].result()  # a failed run raises here, in its own case
+    print(f"{case} vs {result['golden']}:", *result["notes"], sep="\n  ")  # reported-only metrics (-rA, -s)
     assert not result["problems"], "\n".join(result["problems"][:20])

@@ -21,6 +21,13 @@ from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer
 TOLERANCE = 2.0**-6
 
 
+def bf16_mlp(x, counts, probs, w1, w2, config, *biases):
+    """The grouped_mm backend's bf16 MLP over rows grouped by ``counts``."""
+    groups = f8.RowGroups(counts, x.shape[0], x.device)
+    fc1, fc2 = f8.bf16_grouped_linear(w1, groups), f8.bf16_grouped_linear(w2, groups)
+    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, config, *biases)
+
+
 def kwargs_for(experts, topk, activation):
     shape = MoEShape(hidden=256, moe_ffn=192, experts=experts, topk=topk)
     extra = dict(bias_activation_fusion=True)
@@ -211,11 +218,11 @@ def test_grouped_mm_padded_rows_cost_nothing_and_change_nothing(single_gpu):
     x_pad = torch.zeros(int(padded.sum()), 256, device="cuda", dtype=torch.bfloat16).index_copy_(0, rows, x)
     p_pad = torch.zeros(int(padded.sum()), device="cuda").index_copy_(0, rows, probs)
     x.requires_grad_(), x_pad.requires_grad_()
-    out = f8.grouped_mm_mlp(x, counts, probs, w1, w2, config)
+    out = bf16_mlp(x, counts, probs, w1, w2, config)
     out.sum().backward()
     grads = (x.grad, w1.grad.clone(), w2.grad.clone())
     w1.grad = w2.grad = None
-    out_pad = f8.grouped_mm_mlp(x_pad, padded, p_pad, w1, w2, config)
+    out_pad = bf16_mlp(x_pad, padded, p_pad, w1, w2, config)
     out_pad.sum().backward()
     pad_rows = torch.ones(int(padded.sum()), dtype=torch.bool, device="cuda").index_fill_(0, rows, False)
     assert torch.equal(out_pad[rows], out) and not out_pad[pad_rows].any()

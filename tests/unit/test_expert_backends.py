@@ -17,6 +17,13 @@ BASE = dict(
 )
 
 
+def bf16_mlp(x, counts, probs, w1, w2, config, *biases):
+    """The grouped_mm backend's bf16 MLP over rows grouped by ``counts``."""
+    groups = f8.RowGroups(counts, x.shape[0], x.device)
+    fc1, fc2 = f8.bf16_grouped_linear(w1, groups), f8.bf16_grouped_linear(w2, groups)
+    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, config, *biases)
+
+
 def cfg(**overrides):
     late = {k: overrides.pop(k) for k in ("fp8",) if k in overrides}
     config = PatchedTransformerConfig(**{**BASE, **overrides})
@@ -51,6 +58,14 @@ def test_backend_table_and_selection_agree(overrides, backend, reason):
         assert support["grouped_mm"] is None
     else:
         assert reason in support["grouped_mm"]
+
+
+def test_delayed_wgrad_runs_the_te_backend():
+    # TE's GroupedLinear defers the weight gradients to backward_dw; grouped_mm computes them at once.
+    config = cfg()
+    config.delay_wgrad_compute = True  # set late: megatron-core asks for the EP overlap with it
+    assert expert_table.select_backend(config).name == "te"
+    assert "--delay-wgrad-compute" in expert_table.backend_support(config)["grouped_mm"]
 
 
 def test_selection_prefers_the_op_fuser_when_it_can_run(monkeypatch):
@@ -128,7 +143,7 @@ def test_grouped_mm_mlp_matches_per_expert_loop():
     probs = torch.rand(tokens)
     w1 = torch.randn(4, 2 * ffn, hidden, dtype=torch.bfloat16) / 4
     w2 = torch.randn(4, hidden, ffn, dtype=torch.bfloat16) / 4
-    out = f8.grouped_mm_mlp(x, counts, probs, w1, w2, cfg()).float()
+    out = bf16_mlp(x, counts, probs, w1, w2, cfg()).float()
     expected, start = [], 0
     for e, c in enumerate(counts.tolist()):
         h = x[start:start + c].float() @ w1[e].float().T
@@ -226,7 +241,7 @@ def test_grouped_mm_mlp_with_biases_matches_per_expert_loop():
     w2 = (torch.randn(4, hidden, ffn) / 4).to(torch.bfloat16).requires_grad_()
     b1 = torch.randn(4, 2 * ffn).to(torch.bfloat16).requires_grad_()
     b2 = torch.randn(4, hidden).to(torch.bfloat16).requires_grad_()
-    out = f8.grouped_mm_mlp(x, counts, probs, w1, w2, cfg(add_bias_linear=True), b1, b2)
+    out = bf16_mlp(x, counts, probs, w1, w2, cfg(add_bias_linear=True), b1, b2)
     grad = torch.randn_like(out)
     out.backward(grad)
     # float64 reference: per expert, FC1 + b1, SwiGLU x prob, FC2 + b2 x prob
@@ -293,13 +308,13 @@ def test_grouped_mm_padded_rows_change_nothing(bias):
     p_pad = torch.zeros(int(padded.sum())).index_copy_(0, rows, probs)
     x.requires_grad_()
     config = cfg(add_bias_linear=bias)
-    out = f8.grouped_mm_mlp(x, counts, probs, w1, w2, config, *biases)
+    out = bf16_mlp(x, counts, probs, w1, w2, config, *biases)
     out.sum().backward()
     params = [w1, w2] + [b for b in biases if b is not None]
     grads = [p.grad.clone() for p in params]
     for p in params:
         p.grad = None
-    out_pad = f8.grouped_mm_mlp(x_pad, padded, p_pad, w1, w2, config, *biases)
+    out_pad = bf16_mlp(x_pad, padded, p_pad, w1, w2, config, *biases)
     out_pad.sum().backward()
     pad_rows = torch.ones(int(padded.sum()), dtype=torch.bool).index_fill_(0, rows, False)
     torch.testing.assert_close(out_pad[rows], out, rtol=0, atol=0)

@@ -43,6 +43,43 @@ def test_no_phase_times_without_the_timing_level(monkeypatch):
         args(), 1, metrics, 0.0)
 
 
+def test_num_zeros_only_when_counted(monkeypatch):
+    """--log-num-zeros-in-grad: the count is one metric, "num-zeros", that the log line prints
+    as Megatron-LM's "num zeros" and TensorBoard gets under the same name as the rest."""
+    monkeypatch.setattr(training, "model_flops_per_token", lambda a: 1e9)
+    counted = training.iteration_metrics(args(), 3, {"iteration": 0.5}, 1e-3, 2.5, 0.75, 1, 0, 0, num_zeros=1234.0)
+    assert counted["num-zeros"] == 1234.0
+    line = training._log_line(args(), 3, counted, 0.0)
+    assert "| grad norm: 0.750 | num zeros: 1234 | mem (MiB)" in line, line
+    written = []
+    writer = types.SimpleNamespace(add_scalar=lambda name, value, step: written.append((name, value, step)),
+                                   flush=lambda: None)
+    training.write_tensorboard(writer, counted, 3)
+    assert ("num-zeros", 1234.0, 3) in written
+
+    uncounted = training.iteration_metrics(args(), 3, {"iteration": 0.5}, 1e-3, 2.5, 0.75, 1, 0, 0)
+    assert "num-zeros" not in uncounted
+    assert "num zeros" not in training._log_line(args(), 3, uncounted, 0.0)
+
+
+def test_log_num_zeros_in_grad_flag(one_rank):
+    assert parse_args([]).log_num_zeros_in_grad is False
+    assert parse_args(["--log-num-zeros-in-grad"]).log_num_zeros_in_grad is True
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_optimizer_counts_zeros_only_with_the_flag(flag, one_rank, monkeypatch):
+    """megatron-core's optimizer counts the main grads' zeros in step() when its config says so."""
+    import megatron.core.optimizer as optimizer_module
+    import megatron.core.optimizer_param_scheduler as scheduler_module
+
+    seen = []
+    monkeypatch.setattr(optimizer_module, "get_megatron_optimizer", lambda config, models: seen.append(config))
+    monkeypatch.setattr(scheduler_module, "OptimizerParamScheduler", lambda *a, **k: None)
+    training.build_optimizer(parse_args(["--log-num-zeros-in-grad"] if flag else []), ddp_model=None)
+    assert seen[0].log_num_zeros_in_grad is flag
+
+
 def test_tensorboard_gets_every_metric_at_its_iteration():
     written = []
     writer = types.SimpleNamespace(add_scalar=lambda name, value, step: written.append((name, value, step)),

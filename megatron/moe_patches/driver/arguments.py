@@ -114,6 +114,15 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--sequence-parallel", action="store_true",
                           help="Split the work outside the tensor-parallel layers (norms, dropout) along the "
                           "sequence across the tensor-parallel ranks.")
+    parallel.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                          help="Hide the expert-parallel all-to-all behind the computation of another "
+                          "micro-batch (megatron-core's combined 1F1B schedule); needs "
+                          "--expert-model-parallel-size > 1, --moe-token-dispatcher-type alltoall or flex, "
+                          "--bf16 and --pipeline-model-parallel-size 1.")
+    parallel.add_argument("--delay-wgrad-compute", action="store_true",
+                          help="Compute the weight gradients apart from the input gradients, so that they "
+                          "overlap the all-to-all too; needs --overlap-moe-expert-parallel-comm and "
+                          "--transformer-impl transformer_engine.")
 
     precision = parser.add_argument_group("precision")
     precision.add_argument("--bf16", action="store_true", help="Train in bfloat16 mixed precision.")
@@ -178,11 +187,23 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     log.add_argument("--timing-log-level", type=int, choices=[0, 1], default=0,
                      help="1: also time the forward-backward and optimizer phases of each iteration "
                      "(adds a GPU sync between them).")
+    log.add_argument("--log-num-zeros-in-grad", action="store_true",
+                     help="Count the zero entries of the gradients (the optimizer's main grads, before "
+                     "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
+                     "scalar num-zeros (adds a GPU sync).")
     log.add_argument("--save", default=None,
                      help="Directory to save checkpoints to; one is always saved at the end "
                      "(default: no checkpoints).")
     log.add_argument("--load", default=None,
                      help="Checkpoint directory to resume from (default: train from scratch).")
+    log.add_argument("--no-load-optim", action="store_true",
+                     help="With --load: load the model weights and the iteration only; the optimizer "
+                     "states and the learning-rate schedule start afresh, and the fp32 main params are "
+                     "copied from the loaded weights.")
+    log.add_argument("--load-main-params-from-ckpt", action="store_true",
+                     help="With --no-load-optim: take the fp32 main params from the checkpoint's model "
+                     "tensors (megatron-core's reload_model_params(state_dict)) rather than from the "
+                     "model's bf16 params; needs --load, --bf16 and --use-distributed-optimizer.")
     log.add_argument("--save-interval", type=int, default=None,
                      help="Save a checkpoint every this many iterations; needs --save "
                      "(default: only at the end).")
@@ -344,7 +365,7 @@ FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2") 
 POSITIVE_FLOATS = ("init_method_std", "adam_eps")
 # Flags that only mean something for an MoE model (--num-experts).
 MOE_ONLY = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_padding_for_quantization",
-            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "overlap_moe_expert_parallel_comm")
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
@@ -414,6 +435,8 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         if args.moe_token_dispatcher_type == "allgather":
             raise ValueError("--moe-router-padding-for-quantization does not work with --moe-token-dispatcher-type "
                              "allgather: use alltoall or flex")
+    _check_main_params_load(args)
+    _check_expert_parallel_overlap(args)
     if args.pipeline_model_parallel_size > 1 and args.num_layers % args.pipeline_model_parallel_size:
         raise ValueError("--num-layers must be divisible by --pipeline-model-parallel-size")
     tp = args.tensor_model_parallel_size
@@ -460,6 +483,76 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {args.micro_batch_size * data_parallel}"
         )
+
+
+def _check_main_params_load(args: argparse.Namespace) -> None:
+    if not getattr(args, "load_main_params_from_ckpt", False):
+        return
+    flag = "--load-main-params-from-ckpt"
+    if not args.no_load_optim:  # Megatron-LM's rule: loaded optimizer states hold their own main params
+        raise ValueError(f"{flag} needs --no-load-optim (with the optimizer states loaded, the main params come "
+                         "from them): add --no-load-optim or drop the flag")
+    if not args.load:
+        raise ValueError(f"{flag} needs --load (the checkpoint directory)")
+    if not args.bf16:
+        raise ValueError(f"{flag} needs --bf16 (only mixed precision keeps fp32 main params apart from the model's "
+                         "params): add --bf16 or drop the flag")
+    if not args.use_distributed_optimizer:
+        raise ValueError(f"{flag} needs --use-distributed-optimizer (megatron-core's other mixed-precision "
+                         "optimizer cannot take main params from a state dict): add it or drop the flag")
+
+
+# megatron-core's TransformerConfig asserts: the all-to-all overlap hangs on older torch.
+OVERLAP_MIN_TORCH = (2, 6)
+# Megatron-LM's floors for --delay-wgrad-compute: TE without gradient-accumulation fusion
+# (this driver never fuses it), and TE with --overlap-grad-reduce.
+DELAY_WGRAD_MIN_TE = "2.7.0"
+DELAY_WGRAD_OVERLAP_GRAD_REDUCE_MIN_TE = "2.8.0"
+
+
+def _torch_version() -> tuple:
+    return tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+
+
+def _check_expert_parallel_overlap(args: argparse.Namespace) -> None:
+    """megatron-core 0.16.1's requirements of overlap_moe_expert_parallel_comm and
+    delay_wgrad_compute (TransformerConfig.__post_init__), as flags, plus what this driver
+    does not offer (virtual pipeline stages)."""
+    overlap = "--overlap-moe-expert-parallel-comm"
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        if args.expert_model_parallel_size < 2:
+            raise ValueError(f"{overlap} needs --expert-model-parallel-size > 1 (it hides the expert-parallel "
+                             "all-to-all): raise the EP size or drop the flag")
+        if args.moe_token_dispatcher_type not in ("alltoall", "flex"):
+            raise ValueError(f"{overlap} needs --moe-token-dispatcher-type alltoall or flex, not "
+                             f"{args.moe_token_dispatcher_type}")
+        if not args.bf16:
+            raise ValueError(f"{overlap} needs --bf16 (megatron-core overlaps bf16/fp16 models only): add --bf16")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError(f"{overlap} with --pipeline-model-parallel-size > 1 needs virtual pipeline stages, "
+                             "which pretrain_gpt.py does not offer: use --pipeline-model-parallel-size 1")
+        if _torch_version() < OVERLAP_MIN_TORCH:
+            raise ValueError(f"{overlap} needs torch >= 2.6 (the all-to-all overlap hangs on older versions); "
+                             f"this is torch {torch.__version__}: upgrade torch or drop the flag")
+    if getattr(args, "delay_wgrad_compute", False):
+        delay = "--delay-wgrad-compute"
+        if not args.overlap_moe_expert_parallel_comm:
+            raise ValueError(f"{delay} needs {overlap} (megatron-core computes the delayed weight gradients in "
+                             f"its overlapped schedule): add {overlap}")
+        if args.transformer_impl != "transformer_engine":
+            raise ValueError(f"{delay} needs --transformer-impl transformer_engine (megatron-core's own layers "
+                             "compute weight gradients at once)")
+        from megatron.moe_patches import capabilities
+        from packaging.version import Version
+
+        te = capabilities.te_version()  # None where TE cannot be imported: checked on the GPU machine
+        if te is not None and te < Version(DELAY_WGRAD_MIN_TE):
+            raise ValueError(f"{delay} needs Transformer Engine >= {DELAY_WGRAD_MIN_TE} (this driver does not fuse "
+                             f"gradient accumulation); this is {te}: upgrade TE or drop the flag")
+        if te is not None and args.overlap_grad_reduce and te < Version(DELAY_WGRAD_OVERLAP_GRAD_REDUCE_MIN_TE):
+            raise ValueError(f"{delay} with --overlap-grad-reduce needs Transformer Engine >= "
+                             f"{DELAY_WGRAD_OVERLAP_GRAD_REDUCE_MIN_TE}; this is {te}: upgrade TE or drop "
+                             "--overlap-grad-reduce")
 
 
 def _check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
@@ -640,6 +733,8 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         params_dtype=params_dtype(args),
         pipeline_dtype=params_dtype(args),
         deterministic_mode=args.deterministic_mode,
+        overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=args.delay_wgrad_compute,
     )
     if args.fp8_format:
         kwargs.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)

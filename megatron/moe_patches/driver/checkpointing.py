@@ -13,7 +13,10 @@ file, the tracker names no saved iteration). ``load`` reads the optimizer states
 format the checkpoint was saved in (``checkpoint_format``), refuses, before reading
 anything, a checkpoint that cannot fill every sharded tensor of the model and optimizer
 (``check_checkpoint_covers``), and fits the optimizer's plain state to the current
-optimizer chain across EP changes (``fit_optimizer_state``).
+optimizer chain across EP changes (``fit_optimizer_state``). With ``--no-load-optim`` it
+reads the model and the iteration only and refills the fp32 main params
+(``reload_main_params``): from the loaded weights, or with ``--load-main-params-from-ckpt``
+from the checkpoint's model tensors (Megatron-LM's rules).
 """
 
 import argparse
@@ -294,6 +297,18 @@ def fit_optimizer_state(optimizer, loaded: dict):
     return fitted[0] if count == 1 else fitted
 
 
+def reload_main_params(optimizer, loaded: Optional[dict]) -> None:
+    """Refill the fp32 main params after a load without optimizer states: from the model's
+    (just loaded) params, or, given ``loaded`` ({"model": tensors}), from the checkpoint's
+    model tensors (megatron-core's ``reload_model_params(state_dict)``).
+
+    Each optimizer of a chain gets ``loaded`` itself: megatron-core's ChainedOptimizer hands
+    a one-chunk state dict to its first optimizer only, so at EP > 1 the expert optimizer's
+    main params would come from the model instead of the checkpoint."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        part.reload_model_params(state_dict=loaded)
+
+
 def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> int:
     """Load the newest checkpoint under ``root``; returns its iteration."""
     from megatron.core import dist_checkpointing
@@ -303,12 +318,20 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
         raise CheckpointError(f"--load {root}: {missing}")
     iteration = latest_iteration(root)
     saved = dist_checkpointing.load_common_state_dict(path)["args"]
-    check_optimizer_layout(args, saved)
-    state = _state(model, optimizer, scheduler, iteration, checkpoint_format(saved), loading=True)
+    with_optimizer = not getattr(args, "no_load_optim", False)
+    if with_optimizer:
+        check_optimizer_layout(args, saved)
+        state = _state(model, optimizer, scheduler, iteration, checkpoint_format(saved), loading=True)
+    else:  # the model only: the saved optimizer states (and their layout) do not matter
+        state = {"model": model.sharded_state_dict()}
     check_checkpoint_covers(state, path)
     loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(fit_optimizer_state(optimizer, loaded["optimizer"]))
     common = dist_checkpointing.load_common_state_dict(path)
-    scheduler.load_state_dict(common["opt_param_scheduler"])
+    if with_optimizer:
+        optimizer.load_state_dict(fit_optimizer_state(optimizer, loaded["optimizer"]))
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif args.bf16:  # Megatron-LM: only mixed precision keeps main params apart from the model's
+        from_checkpoint = getattr(args, "load_main_params_from_ckpt", False)
+        reload_main_params(optimizer, {"model": loaded["model"]} if from_checkpoint else None)
     return int(common["iteration"])

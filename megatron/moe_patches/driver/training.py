@@ -93,6 +93,8 @@ def build_model(args, config):
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        # TE then hands DDP the weights' grad hooks to run after the delayed wgrad GEMMs
+        delay_wgrad_compute=args.delay_wgrad_compute,
     )
     return gpt, DistributedDataParallel(config, ddp_config, module)
 
@@ -114,6 +116,7 @@ def build_optimizer(args, ddp_model):
             bf16=args.bf16,
             params_dtype=params_dtype(args),
             use_distributed_optimizer=args.use_distributed_optimizer,
+            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         ),
         [ddp_model],
     )
@@ -183,12 +186,14 @@ def micro_batches(dataset, first_sample, args, dp_rank):
         index += step
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan=False):
     batch = next(data_iterator)
     tokens = batch["tokens"].cuda(non_blocking=True)
     labels = batch["labels"].cuda(non_blocking=True)
     position_ids = batch["position_ids"].cuda(non_blocking=True)
     loss_mask = batch["loss_mask"].cuda(non_blocking=True).float()
+    if return_schedule_plan:  # --overlap-moe-expert-parallel-comm: megatron-core's combined 1F1B runs the plan
+        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), partial(_loss, loss_mask)
     output = model(tokens, position_ids, None, labels=labels)
     return output, partial(_loss, loss_mask)
 
@@ -218,11 +223,13 @@ def model_flops_per_token(args) -> float:
     return 3.0 * (args.num_layers * (attention + mlp) + 2 * h * padded_vocab_size(args))
 
 
-def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_allocated, mem_max_allocated):
+def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_allocated, mem_max_allocated,
+                      num_zeros=None):
     """One logged iteration's numbers, under the names Megatron-LM gives them in TensorBoard.
 
     ``times``: seconds of the whole iteration (``"iteration"``) and, with --timing-log-level,
-    of its phases (``"forward-backward"``, ``"optimizer"``)."""
+    of its phases (``"forward-backward"``, ``"optimizer"``). ``num_zeros``: the zero entries
+    of the main grads (--log-num-zeros-in-grad), None when not counted."""
     tokens = args.global_batch_size * args.seq_length
     elapsed = times["iteration"]
     metrics = {
@@ -236,11 +243,15 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
         "mem-allocated-bytes": mem_allocated,
         "mem-max-allocated-bytes": mem_max_allocated,
     }
+    if num_zeros is not None:
+        metrics["num-zeros"] = num_zeros
     metrics.update({f"{phase}-time": seconds for phase, seconds in times.items() if phase != "iteration"})
     return metrics
 
 
 def _log_line(args, iteration, metrics, started):
+    """The iteration line; driver.functional reads lm loss, num zeros, the iteration time and
+    the memory back from it, so keep their labels and units in step with its parser."""
     done = iteration / args.train_iters
     eta = (time.time() - started) / max(done, 1e-9) * (1 - done)
     phases = "".join(
@@ -248,6 +259,7 @@ def _log_line(args, iteration, metrics, started):
         for name, value in metrics.items()
         if name.endswith("-time") and name != "iteration-time"
     )
+    zeros = f" | num zeros: {metrics['num-zeros']:.0f}" if "num-zeros" in metrics else ""
     return (
         f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d}"
         f" | consumed samples: {metrics['consumed-samples']:12d}"
@@ -259,6 +271,7 @@ def _log_line(args, iteration, metrics, started):
         f" | global batch size: {args.global_batch_size:5d}"
         f" | lm loss: {metrics['lm loss']:.6E}"
         f" | grad norm: {metrics['grad-norm']:.3f}"
+        f"{zeros}"
         f" | mem (MiB): {metrics['mem-allocated-bytes'] / 2**20:.0f}/{metrics['mem-max-allocated-bytes'] / 2**20:.0f}"
         f" | progress: {100 * done:5.1f}% eta {datetime.timedelta(seconds=int(eta))}"
     )
@@ -336,7 +349,9 @@ def pretrain(args: argparse.Namespace) -> None:
         if args.timing_log_level:  # a sync between the phases: only when asked for
             torch.cuda.synchronize()
             times["forward-backward"] = time.time() - tick
-        _, grad_norm, _ = optimizer.step()
+        # With --log-num-zeros-in-grad megatron-core counts the zeros of the main grads here,
+        # after backward and clipping, before the update (Megatron-LM's num-zeros).
+        _, grad_norm, num_zeros = optimizer.step()
         scheduler.step(increment=args.global_batch_size)
         iteration += 1
         torch.cuda.synchronize()
@@ -349,6 +364,7 @@ def pretrain(args: argparse.Namespace) -> None:
                 metrics = iteration_metrics(
                     args, iteration, times, optimizer.param_groups[0]["lr"], loss, grad_norm or 0.0,
                     dist.get_world_size(), torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                    num_zeros if args.log_num_zeros_in_grad else None,  # without it: 0 or None
                 )
                 print(_log_line(args, iteration, metrics, started), flush=True)
                 if args.tensorboard_dir:

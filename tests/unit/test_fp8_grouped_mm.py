@@ -1,0 +1,151 @@
+"""F10 on CPU: per-expert FP8 scales and rounding against a float64 reference, the weight
+cache's refresh rules, and where the FP8 backend runs (the table)."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches import expert_table
+from megatron.moe_patches import fp8_grouped_mm as fp8
+from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches.routed_expert_padding import NOBODY, padding_plan
+
+E4M3_MAX = 448.0
+
+
+def e4m3_round_f64(v: float) -> float:
+    """Nearest E4M3 value (ties to even), saturating at 448: written from the format
+    (3 mantissa bits, exponent bias 7, subnormals below 2**-6)."""
+    if v == 0:
+        return 0.0
+    exponent = max(math.floor(math.log2(abs(v))), -6)
+    ulp = 2.0 ** (exponent - 3)
+    return max(-E4M3_MAX, min(E4M3_MAX, round(v / ulp) * ulp))  # round(): half to even
+
+
+def reference_quantize(x_RC, expert_R, num_experts):
+    """(dequantized rows, scale_inv per expert) in float64, one scale per expert."""
+    x = x_RC.double()
+    amax = [0.0] * num_experts
+    for row, e in zip(x, expert_R.tolist()):
+        amax[e] = max(amax[e], row.abs().max().item())
+    scale = [E4M3_MAX / a if a > 0 else 1.0 for a in amax]
+    deq = torch.tensor([[e4m3_round_f64(v * scale[e]) / scale[e] for v in row.tolist()]
+                        for row, e in zip(x, expert_R.tolist())], dtype=torch.float64)
+    return deq, torch.tensor([1 / s for s in scale], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_expert_quantization_matches_the_float64_reference(dtype):
+    torch.manual_seed(0)
+    expert_R = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3], dtype=torch.int32)  # expert 1 has no row
+    x_RC = (torch.randn(8, 24) * torch.tensor([1e-3, 1e-3, 1e-3, 50, 50, 1, 1, 1])[:, None]).to(dtype)
+    x_RC[6] = 0  # a zero row inside a non-zero expert
+    q_RC, scale_inv_R, scale_inv_E = fp8.quantize_per_expert(x_RC, expert_R, 4)
+    deq_ref, scale_inv_ref_E = reference_quantize(x_RC, expert_R, 4)
+    assert q_RC.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(scale_inv_E.double(), scale_inv_ref_E, rtol=2.0**-23, atol=0)  # fp32 scales
+    assert scale_inv_E[1] == 1.0  # an expert with no rows keeps scale 1
+    assert torch.equal(scale_inv_R, scale_inv_E[expert_R.long()])
+    deq = q_RC.double() * scale_inv_R.double()[:, None]
+    torch.testing.assert_close(deq, deq_ref, rtol=1e-6, atol=0)
+    # Each expert's largest magnitude lands on E4M3's largest value.
+    for e in (0, 2, 3):
+        assert q_RC[expert_R == e].float().abs().max() == E4M3_MAX
+
+
+def test_scales_from_amax():
+    scale, scale_inv = fp8.scales_from_amax(torch.tensor([0.0, 448.0, 2.0, 1e-30]))
+    assert scale.tolist()[:3] == [1.0, 1.0, 224.0]
+    assert torch.isfinite(scale).all() and torch.equal(scale_inv, torch.reciprocal(scale))
+
+
+def grouped_params(experts=3, out_features=4, in_features=8):
+    return [torch.nn.Parameter(torch.randn(out_features, in_features)) for _ in range(experts)]
+
+
+def test_weight_cache_refreshes_only_when_the_weights_may_have_changed():
+    params = grouped_params()
+    cache = fp8.FP8WeightCache()
+    w = torch.stack([p.detach() for p in params])
+    cache.get(w, params)
+    first = cache.w8_EOI
+    cache.get(w, params)
+    assert cache.refreshes == 1 and cache.w8_EOI is first  # same weights: no requantization
+    # dgrad layout: the same FP8 values, transposed
+    assert torch.equal(cache.w8_EIO.float(), cache.w8_EOI.transpose(1, 2).float())
+    with torch.no_grad():
+        params[1].mul_(2)  # written in place (a checkpoint load): its version moves
+    cache.get(torch.stack([p.detach() for p in params]), params)
+    assert cache.refreshes == 2
+    fp8.invalidate_weight_caches()
+    cache.get(w, params)
+    assert cache.refreshes == 3
+
+
+def test_an_optimizer_step_refreshes_the_cache_even_through_data():
+    fp8.count_optimizer_steps()
+    params = grouped_params()
+    cache = fp8.FP8WeightCache()
+    cache.get(torch.stack([p.detach() for p in params]), params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch.optim.SGD(params, lr=0.1).step()
+    params[0].data = params[0].data + 1  # how a distributed optimizer writes: the version does not move
+    cache.get(torch.stack([p.detach() for p in params]), params)
+    assert cache.refreshes == 2
+
+
+BASE = dict(
+    num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
+    moe_grouped_gemm=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+    add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, moe_device_tokens_per_expert=True,
+)
+
+
+def fp8_config(**overrides):
+    late = {k: overrides.pop(k) for k in ("fp8", "fp8_recipe", "fp8_param") if k in overrides}
+    config = PatchedTransformerConfig(**{**BASE, **overrides})
+    for name, value in {"fp8": "e4m3", "fp8_recipe": "tensorwise", **late}.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.fixture
+def with_triton(monkeypatch):
+    monkeypatch.setattr(cap, "triton_available", lambda: True)
+
+
+FP8_SELECTION = [
+    (dict(), "fp8_grouped_mm", None),
+    (dict(fp8="hybrid"), "fp8_grouped_mm", None),
+    (dict(fp8_recipe="delayed"), "te", "--fp8-recipe delayed"),
+    (dict(fp8_recipe="mxfp8"), "te", "tensorwise"),
+    (dict(fp8_param=True), "te", "--fp8-param-gather"),
+    (dict(moe_device_tokens_per_expert=False), "te", "moe_device_tokens_per_expert is off"),
+    (dict(expert_tensor_parallel_size=2), "te", "expert tensor parallelism"),
+    (dict(fp8=None), "grouped_mm", "FP8 only"),
+]
+
+
+@pytest.mark.parametrize("overrides, backend, reason", FP8_SELECTION)
+def test_fp8_backend_in_the_table(with_triton, overrides, backend, reason):
+    config = fp8_config(**overrides)
+    assert expert_table.select_backend(config).name == backend
+    why = expert_table.backend_support(config)["fp8_grouped_mm"]
+    assert why is None if reason is None else reason in why
+
+
+def test_fp8_backend_needs_triton(monkeypatch):
+    monkeypatch.setattr(cap, "triton_available", lambda: False)
+    assert expert_table.backend_support(fp8_config())["fp8_grouped_mm"] == "it needs Triton"
+
+
+def test_fp8_backend_takes_unpadded_rows(with_triton):
+    # Any row count per expert: nobody pads, even where F1 could (alltoall + permute fusion).
+    config = fp8_config(moe_token_dispatcher_type="alltoall")
+    config.moe_permute_fusion = True  # set late: megatron-core's check imports TE's kernels
+    assert padding_plan(config).padded_by == NOBODY
+    assert padding_plan(fp8_config(fp8_recipe="delayed")).align == 16  # the TE backend still pads
