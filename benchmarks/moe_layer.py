@@ -38,6 +38,8 @@ VARIANTS = {
     "patched": {},
     # F8 + the sync-free expert backends: grouped_mm (bf16), fp8_grouped_mm (F10, FP8 tensorwise).
     "device-splits": {"moe_device_tokens_per_expert": True},
+    # ... with one [E, out, in] parameter per FC (F5): one gradient accumulation, not one per expert.
+    "device-splits-grouped": {"moe_device_tokens_per_expert": True, "moe_single_grouped_weight": True},
     # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
     "op-fuser": {"use_transformer_engine_op_fuser": True},
     "op-fuser-interleave": {"use_transformer_engine_op_fuser": True, "moe_mlp_glu_interleave_size": 32},

@@ -8,9 +8,10 @@ needs from Transformer Engine (a capability probe, not a version guess), a
 under ``patches/`` and the tests that prove it.
 
 The patched classes: ``config`` (C0), ``dispatchers`` (F1: one class per stock
-dispatcher), ``experts`` (F3: the one experts class; F4, F5 and F8 are its backends and
-options, so they require F3 and install nothing of their own), ``hybridep_blocks`` (F2),
-``grouped_checkpoint_keys`` (F6) and ``grouped_optimizer_state`` (F7).
+dispatcher), ``experts`` (F3: the one experts class; F4, F5, F8 and F10 are its backends
+and options, so they require F3 and install nothing of their own), ``hybridep_blocks`` (F2),
+``grouped_checkpoint_keys`` (F6) and ``grouped_optimizer_state`` (F7). F10 is another
+experts backend (FP8 on F8's sync-free path).
 """
 
 from dataclasses import dataclass
@@ -220,6 +221,23 @@ SERIES: Tuple[Feature, ...] = (
         module="megatron.moe_patches.device_splits",
         installs=(),
         requires=("C0", "F3"),
+    ),
+    Feature(
+        id="F10",
+        title="FP8 grouped-GEMM experts",
+        changes="With device splits and FP8 tensorwise, the experts run torch._scaled_grouped_mm over all "
+        "local experts (per-expert E4M3 scales, Triton quantization, weights quantized once per "
+        "optimizer step, bf16 wgrad), sync-free and without padding.",
+        fields=(),
+        upstream=("none: this project's backend (the FP8 counterpart of F8's grouped_mm)",),
+        te_requirement="none (torch._scaled_grouped_mm on sm90, Triton)",
+        te_probe=None,
+        native=lambda: False,
+        page="patches/F10-fp8-grouped-mm.md",
+        test="tests/unit/test_fp8_grouped_mm.py, tests/gpu/test_fp8_grouped_mm.py",
+        module="megatron.moe_patches.fp8_grouped_mm",
+        installs=(),
+        requires=("C0", "F3", "F8"),
     ),
 )
 
