@@ -18,6 +18,25 @@ def max_rel_error(reference, candidate):
     return worst
 
 
+def host_syncs_during(fn) -> list:
+    """Run ``fn()`` with torch's sync debug mode on; return where it synchronized with the host."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    # torch also emits a notice that the debug mode "is a prototype": not a sync
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+             if "synchronizing" in str(w.message) and "prototype" not in str(w.message)]
+    print(json.dumps({"host_syncs": len(syncs), "where": syncs[:10]}))
+    return syncs
+
+
 def run_two_gpu_worker(worker: str, tmp_path) -> list:
     """Run ``tests/gpu/<worker>`` on 2 GPUs; return the results every rank gathered."""
     out = Path(tmp_path) / f"{Path(worker).stem}.json"

@@ -2,13 +2,12 @@
 zero host syncs at EP=1, and state dicts that load both ways."""
 
 import json
-import warnings
 
 import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import max_rel_error, run_two_gpu_worker
+from gpu_checks import host_syncs_during, max_rel_error, run_two_gpu_worker
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches import device_splits as f8
@@ -91,24 +90,10 @@ def test_zero_host_syncs_at_ep1(single_gpu):
         hidden = torch.randn(1024, 1, 256, device="cuda", dtype=torch.bfloat16)
         for _ in range(2):  # compile the fused activation, warm the allocator
             forward_backward(layer, hidden)
-        torch.cuda.synchronize()
         copies_before = eb._host_copies
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                forward_backward(layer, hidden)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        syncs = host_syncs_during(lambda: forward_backward(layer, hidden))
     finally:
         revert()
-    syncs = [
-        f"{w.filename}:{w.lineno}: {w.message}"
-        for w in caught
-        # torch also emits a notice that the debug mode "is a prototype": not a sync
-        if "synchronizing" in str(w.message) and "prototype" not in str(w.message)
-    ]
-    print(json.dumps({"host_syncs": len(syncs), "where": syncs[:10]}))
     assert layer.experts.backend.name == "grouped_mm"
     assert eb._host_copies == copies_before
     assert not syncs, "\n".join(syncs)

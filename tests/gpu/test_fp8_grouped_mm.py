@@ -13,13 +13,12 @@ the same inputs, this backend's error must be no larger than TE FP8's (1.25x, pl
 """
 
 import json
-import warnings
 
 import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import max_rel_error
+from gpu_checks import host_syncs_during, max_rel_error
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches import expert_backends as eb
@@ -122,20 +121,10 @@ def test_weights_quantized_once_per_step_and_no_host_sync(single_gpu):
         caches = list(layer.experts.backend._caches.values())
         assert [c.refreshes for c in caches] == [1, 1]  # two micro-batches, one quantization
         torch.optim.SGD(layer.parameters(), lr=1e-3).step()
-        torch.cuda.synchronize()
         copies_before = eb._host_copies
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                forward_backward(layer, hidden)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        syncs = host_syncs_during(lambda: forward_backward(layer, hidden))
     finally:
         revert()
     assert [c.refreshes for c in caches] == [2, 2]  # the step made the cache stale
-    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-             if "synchronizing" in str(w.message) and "prototype" not in str(w.message)]
-    print(json.dumps({"host_syncs": len(syncs), "where": syncs[:10]}))
     assert eb._host_copies == copies_before
     assert not syncs, "\n".join(syncs)
