@@ -18,6 +18,21 @@ def max_rel_error(reference, candidate):
     return worst
 
 
+def run_layer(config, tokens, seed=5):
+    """Build the MoE layer of ``config`` (seeded), run one forward and backward on seeded
+    input and output grad; return (layer, {"output", "input_grad", "grad:<param>": ...})."""
+    from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
+
+    layer = build_moe_layer(config)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    grad = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    output, input_grad = forward_backward(layer, hidden, grad)
+    tensors = {"output": output, "input_grad": input_grad}
+    tensors.update({f"grad:{n}": p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None})
+    return layer, tensors
+
+
 def host_syncs_during(fn) -> list:
     """Run ``fn()`` with torch's sync debug mode on; return where it synchronized with the host."""
     import warnings

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import host_syncs_during, max_rel_error, run_two_gpu_worker
+from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, run_two_gpu_worker
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches import device_splits as f8
@@ -33,17 +33,6 @@ def kwargs_for(experts, topk, activation):
     if activation == "quick_geglu":
         extra.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=7.0)
     return moe_config_kwargs(shape, "bf16", **extra)
-
-
-def run(config, tokens, seed=5):
-    layer = build_moe_layer(config)
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
-    grad = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
-    output, input_grad = forward_backward(layer, hidden, grad)
-    tensors = {"output": output, "input_grad": input_grad}
-    tensors.update({f"grad:{n}": p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None})
-    return layer, tensors
 
 
 CASES = [  # activation, experts, topk, tokens

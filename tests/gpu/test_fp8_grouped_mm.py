@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import host_syncs_during, max_rel_error
+from gpu_checks import host_syncs_during, max_rel_error, run_layer as run
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches import expert_backends as eb
@@ -37,17 +37,6 @@ def kwargs_for(experts, topk, activation, dispatcher="alltoall", fp8_format="e4m
     kwargs = moe_config_kwargs(shape, "fp8", **extra)
     kwargs["fp8"] = fp8_format
     return kwargs
-
-
-def run(config, tokens, seed=5):
-    layer = build_moe_layer(config)
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
-    grad = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
-    output, input_grad = forward_backward(layer, hidden, grad)
-    tensors = {"output": output, "input_grad": input_grad}
-    tensors.update({f"grad:{n}": p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None})
-    return layer, tensors
 
 
 CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format
