@@ -3,14 +3,15 @@ experts vs F8 + grouped_mm, identical weights and inputs; also counts the host s
 torch's sync debug mode sees in one forward+backward (the all-to-all split sizes need one)."""
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gpu_checks import finish_worker, max_rel_error, start_worker  # noqa: E402  (this folder: sys.path[0])
+from gpu_checks import (  # noqa: E402  (this folder: sys.path[0])
+    finish_worker, host_syncs_during, max_rel_error, run_layer, small_moe_kwargs, start_worker,
+)
 
 
 def main(out_path):
@@ -18,26 +19,18 @@ def main(out_path):
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.testing.layer_harness import forward_backward
-    from test_device_splits import kwargs_for, run
 
     results = []
     for experts, topk, tokens in ((16, 2, 1000), (64, 8, 777)):
-        kwargs = kwargs_for(experts, topk, "swiglu")
+        kwargs = small_moe_kwargs(experts, topk)
         revert()
-        _, stock = run(tc_module.TransformerConfig(**kwargs), tokens, seed=20 + rank)
+        _, stock = run_layer(tc_module.TransformerConfig(**kwargs), tokens, seed=20 + rank)
         apply()
-        layer, patched = run(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True), tokens, seed=20 + rank)
+        layer, patched = run_layer(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True), tokens, seed=20 + rank)
         hidden = torch.randn(tokens, 1, kwargs["hidden_size"], device="cuda", dtype=torch.bfloat16)
         forward_backward(layer, hidden)
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            forward_backward(layer, hidden)
-            torch.cuda.set_sync_debug_mode(0)
+        syncs = host_syncs_during(lambda: forward_backward(layer, hidden))
         revert()
-        syncs = [f"{w.filename}:{w.lineno}" for w in caught
-                 if "synchronizing" in str(w.message) and "prototype" not in str(w.message)]
         errors = max_rel_error(stock, patched)
         results.append(dict(rank=rank, case=[experts, topk, tokens], backend=layer.experts.backend.name,
                             bitwise=all(torch.equal(stock[n], patched[n]) for n in stock),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gpu_checks import finish_worker, start_worker  # noqa: E402  (this folder: sys.path[0])
+from gpu_checks import compare, finish_worker, run_layer, start_worker  # noqa: E402  (this folder: sys.path[0])
 
 
 def main(out_path):
@@ -15,7 +15,6 @@ def main(out_path):
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.testing.layer_harness import MoEShape, moe_config_kwargs
-    from test_fused_permute_pad import compare, run_layer
 
     results = []
     for precision, experts, topk, tokens in (("tensorwise", 16, 2, 1000), ("tensorwise", 64, 8, 777), ("delayed", 16, 1, 300)):

@@ -18,12 +18,43 @@ def max_rel_error(reference, candidate):
     return worst
 
 
-def run_layer(config, tokens, seed=5):
-    """Build the MoE layer of ``config`` (seeded), run one forward and backward on seeded
-    input and output grad; return (layer, {"output", "input_grad", "grad:<param>": ...})."""
+def small_moe_kwargs(experts, topk, activation="swiglu", precision="bf16", **overrides) -> dict:
+    """TransformerConfig kwargs of the GPU tests' small MoE layer (hidden 256, FFN 192):
+    SwiGLU or quick-GEGLU with megatron-core's fused prob-weighted activation."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.moe_patches.testing.layer_harness import MoEShape, moe_config_kwargs
+
+    shape = MoEShape(hidden=256, moe_ffn=192, experts=experts, topk=topk)
+    extra = dict(bias_activation_fusion=True)
+    if activation == "quick_geglu":
+        extra.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=7.0)
+    return moe_config_kwargs(shape, precision, **extra, **overrides)
+
+
+def compare(stock, patched, names=None):
+    """Summary of stock vs patched tensors (all, or ``names``): count, bitwise flag, max abs
+    error, max error relative to the tensor's largest magnitude, and which tensors differ."""
+    names = list(names if names is not None else stock)
+    differ, max_abs, max_rel = [], 0.0, 0.0
+    for name in names:
+        a, b = stock[name].float(), patched[name].float()
+        diff = (a - b).abs().max().item()
+        max_abs = max(max_abs, diff)
+        max_rel = max(max_rel, diff / max(a.abs().max().item(), 1e-30))
+        if not torch.equal(stock[name], patched[name]):
+            differ.append(name)
+    return dict(tensors=len(names), bitwise=not differ, max_abs=max_abs, max_rel=max_rel, differ=differ[:8])
+
+
+def run_layer(config, tokens, seed=5, routing_fn=None):
+    """Build the MoE layer of ``config`` (seeded; ``routing_fn`` replaces the router's
+    forward), run one forward and backward on seeded input and output grad; return
+    (layer, {"output", "input_grad", "grad:<param>": ...})."""
     from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
 
     layer = build_moe_layer(config)
+    if routing_fn is not None:
+        layer.router.forward = routing_fn
     generator = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
     grad = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)

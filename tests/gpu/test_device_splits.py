@@ -7,12 +7,11 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, run_two_gpu_worker
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, run_two_gpu_worker, small_moe_kwargs
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches import device_splits as f8
 from megatron.moe_patches import expert_backends as eb
-from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
+from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
 
 # Same fused prob-weighted GLU kernel on both sides; only the GEMMs differ (TE/cuBLAS per
 # expert vs one CUTLASS grouped GEMM): fp32 accumulation in another order, bf16 outputs.
@@ -25,14 +24,6 @@ def bf16_mlp(x, counts, probs, w1, w2, config, *biases):
     groups = f8.RowGroups(counts, x.shape[0], x.device)
     fc1, fc2 = f8.bf16_grouped_linear(w1, groups), f8.bf16_grouped_linear(w2, groups)
     return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, config, *biases)
-
-
-def kwargs_for(experts, topk, activation):
-    shape = MoEShape(hidden=256, moe_ffn=192, experts=experts, topk=topk)
-    extra = dict(bias_activation_fusion=True)
-    if activation == "quick_geglu":
-        extra.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=7.0)
-    return moe_config_kwargs(shape, "bf16", **extra)
 
 
 CASES = [  # activation, experts, topk, tokens
@@ -50,7 +41,7 @@ CASES = [  # activation, experts, topk, tokens
     pytest.param("quick_geglu", 128, 1, 200, id="bias-quick_geglu-128-1-200"),
 ])
 def test_grouped_mm_backend_matches_stock(single_gpu, request, activation, experts, topk, tokens):
-    kwargs = kwargs_for(experts, topk, activation)
+    kwargs = small_moe_kwargs(experts, topk, activation)
     if "bias" in request.node.callspec.id:  # expert biases: FC1's added, FC2's scaled by the prob
         kwargs["add_bias_linear"] = True
     revert()
@@ -72,7 +63,7 @@ def test_grouped_mm_backend_matches_stock(single_gpu, request, activation, exper
 
 @pytest.mark.quick
 def test_zero_host_syncs_at_ep1(single_gpu):
-    kwargs = kwargs_for(64, 8, "swiglu")
+    kwargs = small_moe_kwargs(64, 8, "swiglu")
     try:
         apply()
         layer = build_moe_layer(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True))
@@ -89,7 +80,7 @@ def test_zero_host_syncs_at_ep1(single_gpu):
 
 
 def test_state_dicts_load_both_ways(single_gpu):
-    kwargs = kwargs_for(16, 2, "swiglu")
+    kwargs = small_moe_kwargs(16, 2, "swiglu")
     revert()
     stock_layer = build_moe_layer(tc_module.TransformerConfig(**kwargs), seed=1)
     stock_state = {k: v.clone() for k, v in stock_layer.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -119,7 +110,7 @@ def test_state_dicts_load_both_ways(single_gpu):
 def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_gpu):
     from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
 
-    kwargs = kwargs_for(16, 2, "swiglu")
+    kwargs = small_moe_kwargs(16, 2, "swiglu")
     revert()
     stock_layer, stock = run(tc_module.TransformerConfig(**kwargs), 800)
     try:
@@ -154,7 +145,7 @@ def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_
 
 
 def test_single_grouped_bias_holds_the_biases_and_keeps_stock_checkpoints(single_gpu):
-    kwargs = dict(kwargs_for(16, 2, "swiglu"), add_bias_linear=True)
+    kwargs = dict(small_moe_kwargs(16, 2, "swiglu"), add_bias_linear=True)
     revert()
     stock_layer, stock = run(tc_module.TransformerConfig(**kwargs), 800)
     try:
@@ -181,7 +172,7 @@ def test_grouped_mm_padded_rows_cost_nothing_and_change_nothing(single_gpu):
     """Counts padded to an alignment (zero rows, as F1 produces) give the same real rows,
     and zero outputs and zero input grads on the padding rows."""
     torch.manual_seed(0)
-    config = tc_module.TransformerConfig(**kwargs_for(8, 2, "swiglu"))
+    config = tc_module.TransformerConfig(**small_moe_kwargs(8, 2, "swiglu"))
     counts = torch.tensor([5, 0, 17, 1, 30, 2, 9, 16], device="cuda")
     padded = (counts + 15) // 16 * 16
     x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)

@@ -18,25 +18,18 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import host_syncs_during, max_rel_error, run_layer as run
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, small_moe_kwargs
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches import expert_backends as eb
 from megatron.moe_patches import fp8_grouped_mm as fp8
-from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
+from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
 
 U = 2.0**-4  # E4M3 unit roundoff
 TE_GRAD_ROUNDOFF = {"e4m3": 2.0**-4, "hybrid": 2.0**-3}  # TE's gradient format: E4M3 / E5M2
 
 
 def kwargs_for(experts, topk, activation, dispatcher="alltoall", fp8_format="e4m3"):
-    shape = MoEShape(hidden=256, moe_ffn=192, experts=experts, topk=topk)
-    extra = dict(bias_activation_fusion=True, moe_token_dispatcher_type=dispatcher)
-    if activation == "quick_geglu":
-        extra.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=7.0)
-    kwargs = moe_config_kwargs(shape, "fp8", **extra)
-    kwargs["fp8"] = fp8_format
-    return kwargs
+    return small_moe_kwargs(experts, topk, activation, "fp8", moe_token_dispatcher_type=dispatcher, fp8=fp8_format)
 
 
 CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import run_two_gpu_worker
+from gpu_checks import compare, run_layer, run_two_gpu_worker
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches.fused_permute_pad import permute_and_pad, unpermute_and_unpad
 from megatron.moe_patches.testing.reference import reference_permute_and_pad, reference_unpermute_and_unpad
-from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer, forward_backward, moe_config_kwargs
+from megatron.moe_patches.testing.layer_harness import MoEShape, moe_config_kwargs
 
 
 def random_routing(num_tokens, num_experts, topk, seed, empty_experts=0):
@@ -64,34 +64,6 @@ def test_te_permute_pad_matches_reference(tokens, experts, topk, empty, align):
 WGRAD_REORDER_TOLERANCE = 2.0**-7
 
 
-def compare(stock, patched, names=None):
-    """Summary of stock vs patched tensors (all, or ``names``): count, bitwise flag, max abs
-    error, max error relative to the tensor's largest magnitude, and which tensors differ."""
-    names = list(names if names is not None else stock)
-    differ, max_abs, max_rel = [], 0.0, 0.0
-    for name in names:
-        a, b = stock[name].float(), patched[name].float()
-        diff = (a - b).abs().max().item()
-        max_abs = max(max_abs, diff)
-        max_rel = max(max_rel, diff / max(a.abs().max().item(), 1e-30))
-        if not torch.equal(stock[name], patched[name]):
-            differ.append(name)
-    return dict(tensors=len(names), bitwise=not differ, max_abs=max_abs, max_rel=max_rel, differ=differ[:8])
-
-
-def run_layer(config, tokens, routing_fn=None, seed=3):
-    layer = build_moe_layer(config)
-    if routing_fn is not None:
-        layer.router.forward = routing_fn
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
-    grad = torch.randn(tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
-    output, input_grad = forward_backward(layer, hidden, grad)
-    tensors = {"output": output, "input_grad": input_grad}
-    tensors.update({f"grad:{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None})
-    return layer, tensors
-
-
 def aligned_routing(num_experts, topk):
     """A router stand-in: token t goes to experts t, t+1, ... (mod E) with fixed probs."""
 
@@ -127,10 +99,10 @@ def test_moe_layer_fused_matches_stock(single_gpu, precision, dispatcher, expert
     kwargs = moe_config_kwargs(shape, "bf16", moe_token_dispatcher_type=dispatcher, **precision_kwargs)
     routing_fn = aligned_routing(experts, topk) if routing == "aligned" else None
     revert()
-    _, stock = run_layer(tc_module.TransformerConfig(**kwargs), tokens, routing_fn)
+    _, stock = run_layer(tc_module.TransformerConfig(**kwargs), tokens, routing_fn=routing_fn)
     try:
         apply()
-        layer, patched = run_layer(tc_module.TransformerConfig(**kwargs), tokens, routing_fn)
+        layer, patched = run_layer(tc_module.TransformerConfig(**kwargs), tokens, routing_fn=routing_fn)
     finally:
         revert()
     dispatcher_obj = layer.token_dispatcher
