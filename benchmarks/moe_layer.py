@@ -68,7 +68,22 @@ def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_step=1):
+def exchange_ms(layer, hidden, grad) -> float:
+    """Device time of the NCCL kernels (the expert-parallel exchange) in one forward+backward."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        forward_backward(layer, hidden, grad)
+        torch.cuda.synchronize()
+    layer.zero_grad(set_to_none=True)
+    microseconds = 0.0
+    for event in prof.key_averages():
+        if "nccl" in event.key.lower():
+            microseconds += getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
+    return microseconds / 1000
+
+
+def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_step=1, seed=0, exchange=False):
+    """Time one variant; returns (median ms, peak MiB, backend name, NCCL ms or None).
+    ``seed``: of this rank's input; ``exchange``: also profile one step's NCCL kernels."""
     import megatron.core.transformer.transformer_config as tc_module
 
     overrides = VARIANTS[name]
@@ -78,16 +93,17 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
     try:
         config = tc_module.TransformerConfig(**moe_config_kwargs(shape, precision, **(overrides or {})))
         layer = build_moe_layer(config)
-        generator = torch.Generator(device="cuda").manual_seed(0)
+        generator = torch.Generator(device="cuda").manual_seed(seed)
         hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         grad = torch.randn_like(hidden)
         ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
         backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")
+        nccl_ms = exchange_ms(layer, hidden, grad) if exchange else None
     finally:
         revert()
         del layer
         torch.cuda.empty_cache()
-    return ms, peak, backend
+    return ms, peak, backend, nccl_ms
 
 
 def main(argv=None):
@@ -119,7 +135,7 @@ def main(argv=None):
             for precision in args.precisions.split(","):
                 stock_ms = None
                 for variant in variants:
-                    ms, peak, backend = run_variant(
+                    ms, peak, backend, _ = run_variant(
                         variant, shape, tokens, precision, args.warmup, args.iters, args.microbatches_per_step
                     )
                     stock_ms = ms if variant == "stock" else stock_ms

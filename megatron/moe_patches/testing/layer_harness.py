@@ -43,6 +43,23 @@ def init_single_gpu(seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def init_expert_parallel(seed: int = 1234) -> int:
+    """Under torchrun: one NCCL process group over every rank, expert parallelism across all
+    of them (EP = world size), megatron-core's parallel state and seeds. Returns the EP size."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(seed)
+    return world
+
+
 def moe_config_kwargs(shape: MoEShape, precision: str = "bf16", **overrides) -> dict:
     """Constructor kwargs of a TransformerConfig for one SwiGLU MoE layer of ``shape``.
 
