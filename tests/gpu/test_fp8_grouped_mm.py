@@ -32,18 +32,19 @@ def kwargs_for(experts, topk, activation, dispatcher="alltoall", fp8_format="e4m
     return small_moe_kwargs(experts, topk, activation, "fp8", moe_token_dispatcher_type=dispatcher, fp8=fp8_format)
 
 
-CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format
-    pytest.param("swiglu", 128, 8, 300, "alltoall", "e4m3", marks=pytest.mark.quick),  # experts with no token
-    ("swiglu", 64, 2, 1000, "alltoall", "hybrid"),
-    ("swiglu", 32, 8, 2048, "allgather", "e4m3"),
-    ("quick_geglu", 64, 1, 500, "alltoall", "e4m3"),
-    ("quick_geglu", 16, 2, 1000, "allgather", "hybrid"),
+CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format, expert biases
+    pytest.param("swiglu", 128, 8, 300, "alltoall", "e4m3", False, marks=pytest.mark.quick),  # experts with no token
+    ("swiglu", 64, 2, 1000, "alltoall", "hybrid", False),
+    ("swiglu", 32, 8, 2048, "allgather", "e4m3", False),
+    ("quick_geglu", 64, 1, 500, "alltoall", "e4m3", False),
+    ("quick_geglu", 16, 2, 1000, "allgather", "hybrid", False),
+    ("swiglu", 64, 8, 1000, "alltoall", "e4m3", True),  # FC1's bias added, FC2's scaled by the prob
 ]
 
 
-@pytest.mark.parametrize("activation, experts, topk, tokens, dispatcher, fp8_format", CASES)
-def test_fp8_backend_matches_stock_te_fp8(single_gpu, activation, experts, topk, tokens, dispatcher, fp8_format):
-    kwargs = kwargs_for(experts, topk, activation, dispatcher, fp8_format)
+@pytest.mark.parametrize("activation, experts, topk, tokens, dispatcher, fp8_format, bias", CASES)
+def test_fp8_backend_matches_stock_te_fp8(single_gpu, activation, experts, topk, tokens, dispatcher, fp8_format, bias):
+    kwargs = {**kwargs_for(experts, topk, activation, dispatcher, fp8_format), "add_bias_linear": bias}
     bf16_kwargs = {**kwargs, "fp8": None, "fp8_recipe": "delayed"}
     revert()
     _, stock = run(tc_module.TransformerConfig(**kwargs), tokens)
@@ -57,7 +58,7 @@ def test_fp8_backend_matches_stock_te_fp8(single_gpu, activation, experts, topk,
     assert reference_layer.experts.backend.name == "grouped_mm"
     vs_stock = max_rel_error(stock, ours)
     ours_vs_bf16, stock_vs_bf16 = max_rel_error(reference, ours), max_rel_error(reference, stock)
-    print(json.dumps({"case": [activation, experts, topk, tokens, dispatcher, fp8_format],
+    print(json.dumps({"case": [activation, experts, topk, tokens, dispatcher, fp8_format, bias],
                       "max_rel_vs_stock": {k: round(v, 5) for k, v in vs_stock.items()},
                       "ours_vs_bf16": max(ours_vs_bf16.values()), "stock_vs_bf16": max(stock_vs_bf16.values())}))
     assert stock["output"].abs().sum() > 0
