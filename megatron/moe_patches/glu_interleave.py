@@ -11,6 +11,10 @@ interleave on or off: plain state dicts through module hooks, distributed ones t
 ``concatenated_factory``, which the optimizer applies to its states too (main params,
 Adam moments are interleaved in memory like the parameters). The two conversions are
 exact inverses (pure row permutations).
+
+Checkpoints written elsewhere may hold FC1 interleaved (a model that keeps FC1 interleaved
+in memory and saves it as it is): ``interleaved_checkpoint_factory`` reads those, putting
+the same permutation between the checkpoint and the entry's own layout.
 """
 
 from dataclasses import replace
@@ -78,6 +82,30 @@ def interleave_parameters(linear_fc1, size: int) -> None:
     linear_fc1.glu_interleave_size = size
 
 
+def _relayout(entry, to_saved, from_saved) -> ShardedTensorFactory:
+    """``entry`` (a ShardedTensor or a factory such as the SwiGLU split) saving its rows through
+    ``to_saved`` and loading them through ``from_saved``. Its data stays the parameter, so
+    optimizers still find it by identity and pass their states through the same conversion."""
+
+    def build(key, data, replica_id, flattened_range):
+        saved = to_saved(data)
+        if isinstance(entry, ShardedTensorFactory):
+            return entry.build_fn(key, saved, replica_id, flattened_range)
+        return replace(entry, key=key, data=saved, dtype=saved.dtype, replica_id=replica_id)
+
+    def merge(loaded):
+        merged = entry.merge_fn(loaded) if isinstance(entry, ShardedTensorFactory) else loaded
+        return from_saved(merged)
+
+    return ShardedTensorFactory(entry.key, entry.data, build, merge, entry.replica_id)
+
+
+# concatenated_factory notes the stock entry and size it wraps, so that reading an interleaved
+# checkpoint can convert between the checkpoint and the stock entry (saved -> concatenated ->
+# memory) instead of undoing this factory's own permutation.
+WRAPPED_ENTRY = "_glu_concatenated_of"
+
+
 def concatenated_factory(entry, size: int) -> ShardedTensorFactory:
     """A sharded-state-dict entry over an interleaved tensor that saves it concatenated.
 
@@ -86,16 +114,26 @@ def concatenated_factory(entry, size: int) -> ShardedTensorFactory:
     still find it by identity and pass their states through the same conversion.
     """
 
-    def build(key, data, replica_id, flattened_range):
-        standard = to_concatenated(data, size)
-        if isinstance(entry, ShardedTensorFactory):
-            return entry.build_fn(key, standard, replica_id, flattened_range)
-        return replace(entry, key=key, data=standard, dtype=standard.dtype, replica_id=replica_id)
-
-    def merge(loaded):
-        merged = entry.merge_fn(loaded) if isinstance(entry, ShardedTensorFactory) else loaded
-        merged = to_interleaved(merged, size)
+    def load(standard):
+        merged = to_interleaved(standard, size)
         setattr(merged, MERGED_INTERLEAVED, True)
         return merged
 
-    return ShardedTensorFactory(entry.key, entry.data, build, merge, entry.replica_id)
+    factory = _relayout(entry, lambda t: to_concatenated(t, size), load)
+    setattr(factory, WRAPPED_ENTRY, (entry, size))
+    return factory
+
+
+def interleaved_checkpoint_factory(entry, size: int) -> ShardedTensorFactory:
+    """``entry`` (a model's sharded FC1 entry) reading a checkpoint whose FC1 rows are
+    interleaved with block ``size``: loads (optimizer states too) reach the entry's own layout
+    as if the checkpoint held them concatenated.
+
+    The rows are those of one tensor-parallel shard, so the checkpoint must have been saved
+    with the same (expert) tensor-parallel size as the one reading it.
+    """
+    wrapped = getattr(entry, WRAPPED_ENTRY, None)
+    if wrapped is not None:
+        stock, memory_size = wrapped
+        return concatenated_factory(interleaved_checkpoint_factory(stock, size), memory_size)
+    return _relayout(entry, lambda t: to_interleaved(t, size), lambda t: to_concatenated(t, size))

@@ -17,6 +17,12 @@ optimizer chain across EP changes (``fit_optimizer_state``). With ``--no-load-op
 reads the model and the iteration only and refills the fp32 main params
 (``reload_main_params``): from the loaded weights, or with ``--load-main-params-from-ckpt``
 from the checkpoint's model tensors (Megatron-LM's rules).
+
+The common state also says how the routed experts' gated FC1 rows are laid out
+(``GLU_LAYOUT_KEY``; always concatenated here). ``load`` reads that first
+(``saved_glu_layout``): a checkpoint holding FC1 block-interleaved (Megatron-LM's, when
+its experts interleave) is converted to the concatenated layout while loading, optimizer
+states included; an unknown layout is refused before any tensor is read.
 """
 
 import argparse
@@ -50,15 +56,113 @@ DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
 FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
+# How the routed experts' gated FC1 rows lie in the checkpoint, under a common-state key of
+# our own (none of megatron-core's or Megatron-LM's starts with "moe_patches"). This driver
+# always saves them concatenated (glu_interleave converts at the boundary). Megatron-LM
+# (megatron-core 0.19.2) records no layout: its grouped experts save FC1 as held in memory,
+# interleaved when moe_mlp_glu_interleave_size is set, which only its saved args show, and
+# it checks nothing on load (nor can it read this driver's dict args), so there is no form of
+# ours it would understand. Not in content_metadata: there, a dict without its optimizer
+# sharding type would break Megatron-LM's optimizer load.
+GLU_LAYOUT_KEY = "moe_patches_expert_fc1"
+SAVED_GLU_LAYOUT = {"glu_layout": "concatenated"}
+# The checkpoint keys of routed experts' FC1 (TE grouped and sequential experts alike).
+EXPERT_FC1 = re.compile(r"(^|\.)mlp\.experts\.linear_fc1\.(weight|bias)$")
+
+
 def optimizer_metadata(args) -> dict:
     return FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else DP_RESHARDABLE
 
 
-def checkpoint_format(saved: dict) -> argparse.Namespace:
+def checkpoint_format(saved: dict, glu_interleave_size: Optional[int] = None) -> argparse.Namespace:
     """How ``load`` reads a checkpoint's optimizer states: in the format the checkpoint was
     saved in (its own args), whatever this run's --dist-ckpt-optim-fully-reshardable says
-    (that flag only decides how this run saves)."""
-    return argparse.Namespace(dist_ckpt_optim_fully_reshardable=bool(saved.get("dist_ckpt_optim_fully_reshardable", False)))
+    (that flag only decides how this run saves); and its expert FC1 rows: interleaved with
+    ``glu_interleave_size`` (``saved_glu_layout``) or, given None, concatenated."""
+    return argparse.Namespace(
+        dist_ckpt_optim_fully_reshardable=bool(saved.get("dist_ckpt_optim_fully_reshardable", False)),
+        checkpoint_glu_interleave_size=glu_interleave_size,
+    )
+
+
+def _megatron_lm_glu_layout(args) -> Optional[dict]:
+    """The FC1 layout of a Megatron-LM checkpoint (saved args: its argparse Namespace), from
+    those args: its TE grouped experts (TEGroupedMLP and the inference subclass) keep and
+    save FC1 interleaved when a gated model sets moe_mlp_glu_interleave_size; sequential
+    experts (the local implementation, or no grouped GEMM) ignore it."""
+    if not isinstance(args, argparse.Namespace):
+        return None  # this driver saves a dict
+    size = getattr(args, "moe_mlp_glu_interleave_size", None)
+    gated = getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    grouped = impl == "inference_optimized" or (impl != "local" and getattr(args, "moe_grouped_gemm", False))
+    if size is None or not gated or not grouped:
+        return None
+    return {"glu_layout": "interleaved", "glu_interleave_size": size}
+
+
+def saved_glu_layout(common: dict, path: str) -> Optional[int]:
+    """The block size the expert FC1 rows of the checkpoint at ``path`` (its common state
+    ``common``) are interleaved with; None when they are concatenated. An unknown layout
+    raises CheckpointError naming it."""
+    record, source = common.get(GLU_LAYOUT_KEY), GLU_LAYOUT_KEY
+    if record is None:
+        # No record: this driver's older checkpoints (FC1 always saved concatenated), stock
+        # megatron-core 0.16.1 ones (no interleave option), and Megatron-LM ones whose
+        # experts did not interleave are concatenated; Megatron-LM ones that did say so in
+        # their args.
+        record, source = _megatron_lm_glu_layout(common.get("args")), "moe_mlp_glu_interleave_size in its args"
+        if record is None:
+            return None
+    layout = record.get("glu_layout") if isinstance(record, dict) else None
+    size = record.get("glu_interleave_size") if isinstance(record, dict) else None
+    if layout == "concatenated":
+        return None
+    if layout == "interleaved" and isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    raise CheckpointError(
+        f"checkpoint {path} holds the experts' FC1 rows in an unknown GLU layout, {record!r} (from {source}); "
+        "this version reads 'concatenated', or 'interleaved' with a positive glu_interleave_size: load it "
+        "with the version that saved it, or point --load at another checkpoint"
+    )
+
+
+def _expert_tensor_parallel_size(args: dict) -> int:
+    return args.get("expert_tensor_parallel_size") or args.get("tensor_model_parallel_size") or 1
+
+
+def check_glu_conversion(args: argparse.Namespace, saved: dict, size: int, path: str, with_optimizer: bool) -> None:
+    """Refuse, before loading anything, an interleaved FC1 checkpoint that cannot be converted."""
+    where = f"checkpoint {path} holds the experts' FC1 rows interleaved (block {size})"
+    saved_tp, run_tp = _expert_tensor_parallel_size(saved), _expert_tensor_parallel_size(vars(args))
+    if saved_tp != run_tp:  # each shard's rows were interleaved on their own
+        raise CheckpointError(
+            f"{where} per expert-tensor-parallel shard of {saved_tp}, and this run has {run_tp}: "
+            f"resume with --expert-tensor-parallel-size {saved_tp} to convert them"
+        )
+    if with_optimizer and saved.get("use_distributed_optimizer") and not saved.get("dist_ckpt_optim_fully_reshardable"):
+        raise CheckpointError(
+            f"{where} and its distributed-optimizer states as dp_reshardable flat buffers, whose FC1 rows "
+            "cannot be converted: resume with --no-load-optim, or use a checkpoint saved with "
+            "--dist-ckpt-optim-fully-reshardable"
+        )
+
+
+def read_interleaved_fc1(model_state, size: int):
+    """``model_state`` (the model's sharded state dict, changed in place) reading expert FC1
+    rows saved interleaved with block ``size``: the optimizer's states follow its entries."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from megatron.moe_patches.glu_interleave import interleaved_checkpoint_factory
+
+    def convert(entry):
+        if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and EXPERT_FC1.search(entry.key):
+            return interleaved_checkpoint_factory(entry, size)
+        return entry
+
+    return dict_list_map_inplace(convert, model_state)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -149,13 +253,21 @@ def saved_args(root: str) -> dict:
     return saved
 
 
+def _model_state(model, args, loading):
+    state = model.sharded_state_dict()
+    size = getattr(args, "checkpoint_glu_interleave_size", None) if loading else None
+    return read_interleaved_fc1(state, size) if size else state
+
+
 def _state(model, optimizer, scheduler, iteration, args, loading):
-    state = {"model": model.sharded_state_dict()}
+    """The checkpoint's state: saving, ``args`` are the run's; loading, ``checkpoint_format``'s."""
+    state = {"model": _model_state(model, args, loading)}
     state["optimizer"] = optimizer.sharded_state_dict(
         state["model"], is_loading=loading, metadata=optimizer_metadata(args)
     )
     if not loading:
         state.update(iteration=iteration, opt_param_scheduler=scheduler.state_dict(), args=vars(args).copy())
+        state[GLU_LAYOUT_KEY] = dict(SAVED_GLU_LAYOUT)
     return state
 
 
@@ -317,17 +429,23 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     if path is None:
         raise CheckpointError(f"--load {root}: {missing}")
     iteration = latest_iteration(root)
-    saved = dist_checkpointing.load_common_state_dict(path)["args"]
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved = common["args"]
+    if isinstance(saved, argparse.Namespace):  # Megatron-LM saves the Namespace itself
+        saved = vars(saved)
+    glu_interleave_size = saved_glu_layout(common, path)
     with_optimizer = not getattr(args, "no_load_optim", False)
+    if glu_interleave_size:
+        check_glu_conversion(args, saved, glu_interleave_size, path, with_optimizer)
+    reading = checkpoint_format(saved, glu_interleave_size)
     if with_optimizer:
         check_optimizer_layout(args, saved)
-        state = _state(model, optimizer, scheduler, iteration, checkpoint_format(saved), loading=True)
+        state = _state(model, optimizer, scheduler, iteration, reading, loading=True)
     else:  # the model only: the saved optimizer states (and their layout) do not matter
-        state = {"model": model.sharded_state_dict()}
+        state = {"model": _model_state(model, reading, loading=True)}
     check_checkpoint_covers(state, path)
     loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])
-    common = dist_checkpointing.load_common_state_dict(path)
     if with_optimizer:
         optimizer.load_state_dict(fit_optimizer_state(optimizer, loaded["optimizer"]))
         scheduler.load_state_dict(common["opt_param_scheduler"])
