@@ -1,6 +1,8 @@
-"""Helpers of the driver's CPU tests: one rank, and what a refused command line prints."""
+"""Helpers of the driver's CPU tests: one rank, a one-rank process group, and what a refused
+command line prints."""
 
 import pytest
+import torch.distributed as dist
 
 ERROR = "pretrain_gpt.py: error: "
 
@@ -28,3 +30,13 @@ def refused(capsys):
         return err.splitlines()[0][len(ERROR):]
 
     return run
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of one rank, as megatron-core's load needs one."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

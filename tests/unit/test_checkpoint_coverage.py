@@ -111,8 +111,8 @@ def test_load_refuses_a_damaged_checkpoint_before_reading(tmp_path, monkeypatch)
     (tmp_path / checkpointing.TRACKER).write_text("4")
     reads = []
     common = {"args": {}, "iteration": 4, "opt_param_scheduler": {}}
-    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda p: common)
-    monkeypatch.setattr(dist_checkpointing, "load", lambda state, p: reads.append(p) or state)
+    monkeypatch.setattr(checkpointing, "read_common_state", lambda p: common)
+    monkeypatch.setattr(dist_checkpointing, "load", lambda state, p, **kw: reads.append(p) or state)
     monkeypatch.setattr(checkpointing, "_state", lambda model, *rest, loading: {"model": model.sharded_state_dict(),
                                                            "optimizer": {"optimizer": {"param_groups": []}}})
 

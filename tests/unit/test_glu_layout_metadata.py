@@ -121,16 +121,6 @@ def write_checkpoint(root, common, order, iteration=4):
     return path
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo process group of one rank, as megatron-core's load needs one."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def run_args(**values):
     return argparse.Namespace(**{"no_load_optim": False, "bf16": False, **values})
 
@@ -230,8 +220,8 @@ def refusal(tmp_path, monkeypatch, common, args):
     path = tmp_path / "iter_0000004"
     path.mkdir()
     (tmp_path / checkpointing.TRACKER).write_text("4")
-    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda p: common)
-    monkeypatch.setattr(dist_checkpointing, "load", lambda *a: pytest.fail("tensors were read"))
+    monkeypatch.setattr(checkpointing, "read_common_state", lambda p: common)
+    monkeypatch.setattr(dist_checkpointing, "load", lambda *a, **kw: pytest.fail("tensors were read"))
     with pytest.raises(CheckpointError) as refused:
         checkpointing.load(str(tmp_path), Untouched(), Untouched(), Untouched(), args)
     message = str(refused.value)

@@ -174,9 +174,9 @@ def fake_load(tmp_path, monkeypatch):
     # Saved in another optimizer layout: only a load of the optimizer states must mind it.
     common = {"args": {"moe_single_grouped_weight": True}, "iteration": 7, "opt_param_scheduler": {"num_steps": 70}}
     loads = []
-    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda path: common)
+    monkeypatch.setattr(checkpointing, "read_common_state", lambda path: common)
     monkeypatch.setattr(dist_checkpointing, "load",
-                        lambda state, path: loads.append(state) or {k: {"w": torch.ones(1)} for k in state})
+                        lambda state, path, **kw: loads.append(state) or {k: {"w": torch.ones(1)} for k in state})
     monkeypatch.setattr(checkpointing, "check_checkpoint_covers", lambda state, path: None)
     monkeypatch.setattr(checkpointing, "fit_optimizer_state", lambda optimizer, loaded: loaded)
     monkeypatch.setattr(checkpointing, "_state", lambda model, optimizer, *rest, loading: {

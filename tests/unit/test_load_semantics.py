@@ -111,7 +111,7 @@ def test_use_checkpoint_args_needs_load_and_a_readable_checkpoint(tmp_path, refu
     assert refused(["--use-checkpoint-args"]) == "--use-checkpoint-args needs --load (the checkpoint directory)"
     root = checkpoint_root(tmp_path)  # an iteration directory without megatron-core's files
     assert refused(["--load", str(root), "--use-checkpoint-args"]).startswith(
-        f"cannot read the saved args of {root / 'iter_0000004'} (")
+        f"{root / 'iter_0000004'} holds no common state: neither common.pt nor")
 
 
 def test_load_raises_naming_the_path_when_nothing_is_there(tmp_path):
@@ -181,11 +181,9 @@ def test_old_checkpoints_without_an_arg_keep_the_current_value():
 
 def test_use_checkpoint_args_takes_them_before_validation(tmp_path, capsys, monkeypatch, refused):
     """parse_args takes the checkpoint's args before start-up, and validates the result."""
-    from megatron.core import dist_checkpointing
-
     root = checkpoint_root(tmp_path)
     saved = vars(parse_args(["--hidden-size", "384", "--num-attention-heads", "12", "--num-layers", "6"])).copy()
-    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda path: {"args": saved})
+    monkeypatch.setattr(checkpointing, "read_common_state", lambda path: {"args": saved})
     capsys.readouterr()
     args = parse_args(["--load", str(root), "--use-checkpoint-args", "--hidden-size", "64"])
     assert (args.hidden_size, args.num_attention_heads, args.num_layers, args.ffn_hidden_size) == (384, 12, 6, 1536)
@@ -238,8 +236,8 @@ def test_load_reads_the_format_the_checkpoint_was_saved_in(tmp_path, monkeypatch
     root = checkpoint_root(tmp_path)
     saved = {} if saved_flag is None else {"dist_ckpt_optim_fully_reshardable": saved_flag}
     common = {"args": saved, "iteration": 4, "opt_param_scheduler": {"num_steps": 16}}
-    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda path: common)
-    monkeypatch.setattr(dist_checkpointing, "load", lambda state, path: state)
+    monkeypatch.setattr(checkpointing, "read_common_state", lambda path: common)
+    monkeypatch.setattr(dist_checkpointing, "load", lambda state, path, **kw: state)
     monkeypatch.setattr(checkpointing, "check_checkpoint_covers", lambda state, path: None)
     optimizer, scheduler = _Optimizer(), _Scheduler()
     args = argparse.Namespace(dist_ckpt_optim_fully_reshardable=current_flag)

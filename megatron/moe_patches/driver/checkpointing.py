@@ -23,9 +23,14 @@ The common state also says how the routed experts' gated FC1 rows are laid out
 (``saved_glu_layout``): a checkpoint holding FC1 block-interleaved (Megatron-LM's, when
 its experts interleave) is converted to the concatenated layout while loading, optimizer
 states included; an unknown layout is refused before any tensor is read.
+
+The common state is read by ``read_common_state`` in either form megatron-core writes it:
+a ``common.pt`` beside the torch_dist files (0.16.1, this driver's saves) or, as
+megatron-core 0.19.2 saves it, one pickled object inside the torch_dist files.
 """
 
 import argparse
+import io
 import os
 import re
 from typing import Iterator, List, Optional, Tuple
@@ -33,6 +38,10 @@ from typing import Iterator, List, Optional, Tuple
 from megatron.moe_patches.driver.patch_args import restore_args_from_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# The torch_dist item megatron-core 0.19.2 saves the common state as (a ShardedObject named
+# "common_state", of global shape (1,) at offset (0,), under its unique key); its bytes are
+# torch.save of a one-element list holding the common state dict.
+UPSTREAM_COMMON_KEY = "common_state/shard_0_1"
 
 # Args that define the model's shape: a checkpoint is only loadable with its own.
 MODEL_ARGS = [
@@ -233,16 +242,90 @@ def restore_args(args: argparse.Namespace, saved: dict) -> List[str]:
     return [name for name, value in vars(args).items() if before.get(name) != value]
 
 
+def read_common_state(path: str) -> dict:
+    """The common state (args, iteration, scheduler, ...) of the torch_dist checkpoint at
+    ``path``, on CPU without a process group, whichever megatron-core saved it.
+
+    A ``common.pt`` there is read by megatron-core's own ``load_common_state_dict``.
+    Without one, the state is the ``UPSTREAM_COMMON_KEY`` item of the torch_dist files
+    (megatron-core 0.19.2 writes no common.pt, and 0.16.1's reader looks only for that
+    file); it is read with torch.distributed.checkpoint and unpickled with
+    ``weights_only=True``, so only the types torch and megatron-core allow (megatron-core
+    registers argparse.Namespace and its own enums on import) come back. A directory
+    holding neither raises CheckpointError.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    if os.path.isfile(os.path.join(path, COMMON_STATE_FNAME)):
+        return dist_checkpointing.load_common_state_dict(path)
+
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    neither = CheckpointError(
+        f"{path} holds no common state: neither {COMMON_STATE_FNAME} nor a torch_dist "
+        f"'{UPSTREAM_COMMON_KEY}' item (the save did not finish, or it is not a megatron-core "
+        "torch_dist checkpoint); point --load at a complete one"
+    )
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except FileNotFoundError:  # no .metadata: not torch_dist files at all
+        raise neither from None
+    if not isinstance(metadata.state_dict_metadata.get(UPSTREAM_COMMON_KEY), BytesStorageMetadata):
+        raise neither
+
+    class KeepBytes(DefaultLoadPlanner):
+        # The default planner unpickles saved bytes with weights_only=False (any object);
+        # keep them raw, to unpickle below with the allow-list.
+        def load_bytes(self, read_item, value):
+            self.saved = value.getvalue()
+
+    planner = KeepBytes(flatten_state_dict=False)
+    dcp_load({UPSTREAM_COMMON_KEY: io.BytesIO()}, storage_reader=FileSystemReader(path), planner=planner,
+             no_dist=True)
+    try:
+        saved = torch.load(io.BytesIO(planner.saved), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # a type outside the allow-list: name it, on one line
+        reason = " ".join(str(err).split())[:300]
+        raise CheckpointError(
+            f"the common state of {path} holds objects that are not safe to load ({reason}); "
+            "load it with the megatron-core version that saved it"
+        ) from None
+    if not (isinstance(saved, list) and len(saved) == 1 and isinstance(saved[0], dict)):
+        raise CheckpointError(
+            f"the '{UPSTREAM_COMMON_KEY}' item of {path} is not a common state dict (a "
+            f"{type(saved).__name__}); point --load at a checkpoint saved by megatron-core"
+        )
+    return saved[0]
+
+
+def _common_state_strategy():
+    """A load strategy for megatron-core's ``dist_checkpointing.load`` that reads the common
+    state through ``read_common_state``: its default one reads common.pt only."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class CommonState(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return read_common_state(str(checkpoint_dir))
+
+    return CommonState()
+
+
 def saved_args(root: str) -> dict:
     """The args dict saved with the checkpoint ``--load root`` resumes from (CPU only, no
     process group: usable before start-up)."""
-    from megatron.core import dist_checkpointing
-
     path, missing = find_checkpoint(root)
     if path is None:
         raise CheckpointError(f"--load {root}: {missing}")
     try:
-        saved = dist_checkpointing.load_common_state_dict(path).get("args")
+        saved = read_common_state(path).get("args")
+    except CheckpointError:
+        raise
     except Exception as err:  # megatron-core's CheckpointingException, unpickling errors
         raise CheckpointError(
             f"cannot read the saved args of {path} ({err}): the save did not finish, or it is not a "
@@ -429,7 +512,7 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     if path is None:
         raise CheckpointError(f"--load {root}: {missing}")
     iteration = latest_iteration(root)
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = read_common_state(path)
     saved = common["args"]
     if isinstance(saved, argparse.Namespace):  # Megatron-LM saves the Namespace itself
         saved = vars(saved)
@@ -444,7 +527,9 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     else:  # the model only: the saved optimizer states (and their layout) do not matter
         state = {"model": _model_state(model, reading, loading=True)}
     check_checkpoint_covers(state, path)
-    loaded = dist_checkpointing.load(state, path)
+    # megatron-core merges the common part (the optimizer's plain state) in here, read by
+    # default from common.pt only, which megatron-core 0.19.2's checkpoints lack.
+    loaded = dist_checkpointing.load(state, path, common_strategy=_common_state_strategy())
     model.load_state_dict(loaded["model"])
     if with_optimizer:
         optimizer.load_state_dict(fit_optimizer_state(optimizer, loaded["optimizer"]))
