@@ -1,6 +1,8 @@
 """Helpers of the driver's CPU tests: one rank, a one-rank process group, and what a refused
 command line prints."""
 
+import warnings
+
 import pytest
 import torch.distributed as dist
 
@@ -14,16 +16,30 @@ def one_rank(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
 
 
+def _parse_as_entry_point(argv):
+    """parse_args as the entry points run it: megatron-core's fallback notices quieted first."""
+    from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
+    from megatron.moe_patches.driver.arguments import parse_args
+
+    with warnings.catch_warnings():
+        quiet_megatron_core_import_warnings()
+        return parse_args(argv)
+
+
+@pytest.fixture
+def parsed():
+    """``parsed(argv)``: the args pretrain_gpt.py would run with (what it prints goes to capsys)."""
+    return _parse_as_entry_point
+
+
 @pytest.fixture
 def refused(capsys):
     """``refused(argv)``: parse_args must exit 2 with a one-line error and no traceback;
     returns that line without its ``pretrain_gpt.py: error: `` prefix."""
-    from megatron.moe_patches.driver.arguments import parse_args
-
     def run(argv):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exc:
-            parse_args(argv)
+            _parse_as_entry_point(argv)
         assert exc.value.code == 2, argv
         err = capsys.readouterr().err
         assert "Traceback" not in err and err.startswith(ERROR), err

@@ -34,7 +34,7 @@ def checkpoint_root(tmp_path, iteration=4, tracker=None):
     ("empty", "the directory is empty"),
     ("no_tracker", f"no checkpoint there (no {checkpointing.TRACKER})"),
 ])
-def test_no_checkpoint_warns_once_and_trains_from_scratch(tmp_path, capsys, kind, reason, refused):
+def test_no_checkpoint_warns_once_and_trains_from_scratch(tmp_path, capsys, kind, reason, refused, parsed):
     root = tmp_path / kind
     if kind != "missing":
         root.mkdir()
@@ -42,7 +42,7 @@ def test_no_checkpoint_warns_once_and_trains_from_scratch(tmp_path, capsys, kind
         (root / "iter_0000004").mkdir()
     assert checkpointing.find_checkpoint(str(root)) == (None, reason)
     capsys.readouterr()
-    args = parse_args(["--load", str(root)])
+    args = parsed(["--load", str(root)])
     assert args.load == str(root)
     err = capsys.readouterr().err.splitlines()
     assert err == [f"{WARNING}--load {root}: {reason}; training starts from scratch "
