@@ -106,52 +106,73 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
     return ms, peak, backend, nccl_ms
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def benchmark_parser(description: str, tokens_help: str, precisions: str, out_help: str) -> argparse.ArgumentParser:
+    """The flags this benchmark and moe_layer_ep.py share."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
-    parser.add_argument("--tokens", default="8192", help="comma list of token counts")
-    parser.add_argument("--precisions", default="bf16,fp8", help="comma list of bf16, fp8 (tensorwise)")
+    parser.add_argument("--tokens", default="8192", help=tokens_help)
+    parser.add_argument("--precisions", default=precisions, help="comma list of bf16, fp8 (tensorwise)")
     parser.add_argument("--variants", default="stock", help=f"comma list of {list(VARIANTS)}")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--microbatches-per-step", type=int, default=1,
-                        help="timed iterations between optimizer steps (FP8 weight caches refresh at each)")
-    parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=None, help=out_help)
+    return parser
 
+
+def selected_variants(parser: argparse.ArgumentParser, args) -> list:
+    """The variants to run, stock first; unknown variant or shape names are a usage error."""
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS] + [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown variant/shape: {unknown}")
     if "stock" not in variants:
         variants.insert(0, "stock")  # ratios always need the stock path of the same run
+    return variants
+
+
+def cases(args):
+    """(shape name, shape, tokens, precision) for every case the flags select."""
+    for shape_name in args.shapes.split(","):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for precision in args.precisions.split(","):
+                yield shape_name, SHAPES[shape_name], tokens, precision
+
+
+def emit(row: dict, sink) -> None:
+    """Print one result as a JSON line, and append it to ``sink`` when there is one."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if sink:
+        sink.write(line + "\n")
+
+
+def main(argv=None):
+    parser = benchmark_parser(__doc__.splitlines()[0], "comma list of token counts", "bf16,fp8",
+                              "also append the JSON lines to this file")
+    parser.add_argument("--microbatches-per-step", type=int, default=1,
+                        help="timed iterations between optimizer steps (FP8 weight caches refresh at each)")
+    args = parser.parse_args(argv)
+    variants = selected_variants(parser, args)
 
     init_single_gpu()
     sink = open(args.out, "a") if args.out else None
     device = torch.cuda.get_device_name()
-    for shape_name in args.shapes.split(","):
-        shape = SHAPES[shape_name]
-        for tokens in (int(t) for t in args.tokens.split(",")):
-            for precision in args.precisions.split(","):
-                stock_ms = None
-                for variant in variants:
-                    ms, peak, backend, _ = run_variant(
-                        variant, shape, tokens, precision, args.warmup, args.iters, args.microbatches_per_step
-                    )
-                    stock_ms = ms if variant == "stock" else stock_ms
-                    row = dict(
-                        shape=shape_name, tokens=tokens, precision=precision, variant=variant, backend=backend,
-                        ms=round(ms, 3),
-                        tflops=round(expert_gemm_flops(shape, tokens) / ms / 1e9, 1),
-                        peak_mib=round(peak),
-                        speedup_vs_stock=round(stock_ms / ms, 3),
-                        device=device,
-                        microbatches_per_step=args.microbatches_per_step,
-                    )
-                    line = json.dumps(row)
-                    print(line, flush=True)
-                    if sink:
-                        sink.write(line + "\n")
+    for shape_name, shape, tokens, precision in cases(args):
+        stock_ms = None
+        for variant in variants:
+            ms, peak, backend, _ = run_variant(
+                variant, shape, tokens, precision, args.warmup, args.iters, args.microbatches_per_step
+            )
+            stock_ms = ms if variant == "stock" else stock_ms
+            emit(dict(
+                shape=shape_name, tokens=tokens, precision=precision, variant=variant, backend=backend,
+                ms=round(ms, 3),
+                tflops=round(expert_gemm_flops(shape, tokens) / ms / 1e9, 1),
+                peak_mib=round(peak),
+                speedup_vs_stock=round(stock_ms / ms, 3),
+                device=device,
+                microbatches_per_step=args.microbatches_per_step,
+            ), sink)
     if sink:
         sink.close()
 

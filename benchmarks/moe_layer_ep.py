@@ -12,8 +12,6 @@ forward+backward (the expert-parallel exchange) and its share of the step, and
 ``speedup_vs_stock`` against the stock layer of the same run.
 """
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # moe_layer.py, beside this file
 
-from moe_layer import VARIANTS, run_variant  # noqa: E402
+from moe_layer import benchmark_parser, cases, emit, run_variant, selected_variants  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import SHAPES, expert_gemm_flops, init_expert_parallel  # noqa: E402
 
 
@@ -35,22 +33,10 @@ def gather(value) -> list:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
-    parser.add_argument("--tokens", default="8192", help="comma list of token counts per GPU")
-    parser.add_argument("--precisions", default="bf16", help="comma list of bf16, fp8 (tensorwise)")
-    parser.add_argument("--variants", default="stock", help=f"comma list of {list(VARIANTS)}")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", default=None, help="rank 0 also appends the JSON lines to this file")
+    parser = benchmark_parser(__doc__.splitlines()[0], "comma list of token counts per GPU", "bf16",
+                              "rank 0 also appends the JSON lines to this file")
     args = parser.parse_args(argv)
-
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS] + [s for s in args.shapes.split(",") if s not in SHAPES]
-    if unknown:
-        parser.error(f"unknown variant/shape: {unknown}")
-    if "stock" not in variants:
-        variants.insert(0, "stock")  # ratios always need the stock path of the same run
+    variants = selected_variants(parser, args)
 
     ep = init_expert_parallel()
     rank = dist.get_rank()
@@ -59,33 +45,27 @@ def main(argv=None):
         parser.error(f"EP={ep} does not divide the expert count of {not_divisible}")
     sink = open(args.out, "a") if args.out and rank == 0 else None
     device = torch.cuda.get_device_name()
-    for shape_name in args.shapes.split(","):
-        shape = SHAPES[shape_name]
-        for tokens in (int(t) for t in args.tokens.split(",")):
-            for precision in args.precisions.split(","):
-                stock_ms = None
-                for variant in variants:
-                    ms, peak, backend, nccl_ms = run_variant(
-                        variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, exchange=True
-                    )
-                    per_rank = gather((ms, peak, nccl_ms))
-                    slowest = max(r[0] for r in per_rank)
-                    stock_ms = slowest if variant == "stock" else stock_ms
-                    exchange = statistics.mean(r[2] for r in per_rank)
-                    row = dict(
-                        shape=shape_name, tokens_per_gpu=tokens, ep=ep, precision=precision, variant=variant,
-                        backend=backend, ms=round(slowest, 3),
-                        mean_ms=round(statistics.mean(r[0] for r in per_rank), 3),
-                        tflops_per_gpu=round(expert_gemm_flops(shape, tokens) / slowest / 1e9, 1),
-                        peak_mib=round(max(r[1] for r in per_rank)),
-                        exchange_ms=round(exchange, 3), exchange_share=round(exchange / slowest, 3),
-                        speedup_vs_stock=round(stock_ms / slowest, 3), device=device,
-                    )
-                    if rank == 0:
-                        line = json.dumps(row)
-                        print(line, flush=True)
-                        if sink:
-                            sink.write(line + "\n")
+    for shape_name, shape, tokens, precision in cases(args):
+        stock_ms = None
+        for variant in variants:
+            ms, peak, backend, nccl_ms = run_variant(
+                variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, exchange=True
+            )
+            per_rank = gather((ms, peak, nccl_ms))
+            slowest = max(r[0] for r in per_rank)
+            stock_ms = slowest if variant == "stock" else stock_ms
+            exchange = statistics.mean(r[2] for r in per_rank)
+            row = dict(
+                shape=shape_name, tokens_per_gpu=tokens, ep=ep, precision=precision, variant=variant,
+                backend=backend, ms=round(slowest, 3),
+                mean_ms=round(statistics.mean(r[0] for r in per_rank), 3),
+                tflops_per_gpu=round(expert_gemm_flops(shape, tokens) / slowest / 1e9, 1),
+                peak_mib=round(max(r[1] for r in per_rank)),
+                exchange_ms=round(exchange, 3), exchange_share=round(exchange / slowest, 3),
+                speedup_vs_stock=round(stock_ms / slowest, 3), device=device,
+            )
+            if rank == 0:
+                emit(row, sink)
     if sink:
         sink.close()
     dist.destroy_process_group()
