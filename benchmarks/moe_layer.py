@@ -21,11 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
 from megatron.moe_patches import apply, revert  # noqa: E402
+from megatron.moe_patches.config import graphs_dropless_moe  # noqa: E402
+from megatron.moe_patches.moe_cuda_graph import MoELayerGraphs  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
     SHAPES,
     build_moe_layer,
     expert_gemm_flops,
     forward_backward,
+    fp8_context,
     init_single_gpu,
     moe_config_kwargs,
 )
@@ -33,6 +36,7 @@ from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
 # name -> config fields set on top of the stock config; any variant but "stock" runs with
 # the whole series applied. "patched" keeps every new field at its default, which switches
 # on what needs no flag: F1's fused permute+pad under FP8. Feature issues add variants here.
+GRAPHED = {"cuda_graph_impl": "local", "cuda_graph_scope": "moe"}
 VARIANTS = {
     "stock": None,
     "patched": {},
@@ -40,6 +44,10 @@ VARIANTS = {
     "device-splits": {"moe_device_tokens_per_expert": True},
     # ... with one [E, out, in] parameter per FC (F5): one gradient accumulation, not one per expert.
     "device-splits-grouped": {"moe_device_tokens_per_expert": True, "moe_single_grouped_weight": True},
+    # F11: the same layers captured as CUDA graphs (forward + backward), replayed each step.
+    "device-splits-graph": {"moe_device_tokens_per_expert": True, **GRAPHED},
+    "device-splits-grouped-graph": {"moe_device_tokens_per_expert": True, "moe_single_grouped_weight": True,
+                                    **GRAPHED},
     # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
     "op-fuser": {"use_transformer_engine_op_fuser": True},
     "op-fuser-interleave": {"use_transformer_engine_op_fuser": True, "moe_mlp_glu_interleave_size": 32},
@@ -96,6 +104,8 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
         generator = torch.Generator(device="cuda").manual_seed(seed)
         hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         grad = torch.randn_like(hidden)
+        if graphs_dropless_moe(config):
+            MoELayerGraphs([layer], hidden, context=lambda: fp8_context(config)).install()
         ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
         backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")
         nccl_ms = exchange_ms(layer, hidden, grad) if exchange else None

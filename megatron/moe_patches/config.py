@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron.moe_patches.expert_table import single_grouped_refusal
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, PATCH_FIELDS, MoEPatchFields, log_once
+from megatron.moe_patches.moe_cuda_graph import graph_blocker, scope_names
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +120,29 @@ def validate_moe_patch_config(config) -> None:
             "num_moe_experts and moe_grouped_gemm=True, or drop --moe-device-tokens-per-expert."
         )
 
+    if graphs_dropless_moe(config):
+        reason = graph_blocker(config)
+        if reason is not None:
+            errors.append(
+                f"cuda_graph_scope=moe for dropless MoE needs the graph-safe MoE layer (F11), and "
+                f"this config cannot have it: {reason}. Fix that, or drop moe from --cuda-graph-scope."
+            )
+        if "moe_router" in scope_names(config.cuda_graph_scope):
+            errors.append("cuda_graph_scope must not contain both moe and moe_router.")
+
     if errors:
         raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
+
+
+def graphs_dropless_moe(config) -> bool:
+    """Whether the config asks for CUDA graphs of dropless MoE layers (megatron-core 0.16.1
+    graphs only drop-and-pad MoE layers; F11 graphs dropless ones)."""
+    return (
+        config.cuda_graph_impl in ("local", "transformer_engine")
+        and "moe" in scope_names(config.cuda_graph_scope)
+        and config.num_moe_experts is not None
+        and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
+    )
 
 
 def _has_grouped_experts(config) -> bool:
@@ -164,7 +186,17 @@ class PatchedTransformerConfig(TransformerConfig, MoEPatchFields, metaclass=_Acc
     stock_class = TransformerConfig  # not annotated: a class attribute, not a field
 
     def __post_init__(self):
-        super().__post_init__()
+        # megatron-core asserts that moe-scope graphs are drop-and-pad only; the patch
+        # validation below checks dropless ones instead (graph_blocker), so megatron-core's
+        # graph checks run without the impl, which they are all conditioned on.
+        impl = self.cuda_graph_impl
+        bypass = graphs_dropless_moe(self) and not (self.enable_cuda_graph or self.external_cuda_graph)
+        if bypass:
+            self.cuda_graph_impl = "none"
+        try:
+            super().__post_init__()
+        finally:
+            self.cuda_graph_impl = impl
         _resolve_env_aliases(self)
         validate_moe_patch_config(self)
 

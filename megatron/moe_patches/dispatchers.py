@@ -1,7 +1,9 @@
 """One patched class per stock token dispatcher, its options fixed at construction.
 
 - ``PatchedAllGatherTokenDispatcher``: ``pad_align`` (F1: permute+pad in one pass when
-  ``padding_plan`` gives the dispatcher the padding, else None and the stock path).
+  ``padding_plan`` gives the dispatcher the padding, else None and the stock path) and
+  ``device_splits`` (F8 with one rank and no TP: every expert is local, so the permuted
+  row count is tokens x top-k, known without the GPU, and the counts stay on the device).
 - ``PatchedAlltoAllTokenDispatcher``: ``pad_align`` (F1) and ``device_splits`` (F8:
   ``tokens_per_expert`` stays on the GPU; with one source rank and no TP the chunk sort
   by local expert is the identity and is skipped, ``skips_chunk_sort``).
@@ -13,6 +15,7 @@ follow them.
 """
 
 import torch
+from megatron.core.transformer.moe.moe_utils import permute
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
@@ -23,20 +26,40 @@ from megatron.moe_patches.fused_permute_pad import align_up, permute_and_pad, un
 from megatron.moe_patches.routed_expert_padding import padding_plan
 
 
+def allgather_keeps_counts_on_device(config, ep_size: int, tp_size: int) -> bool:
+    """F8 for the allgather dispatcher: only where the permuted row count is tokens x top-k."""
+    return (
+        bool(patch_option(config, "moe_device_tokens_per_expert"))
+        and _fused_pad_align(config) is None
+        and ep_size == 1
+        and tp_size == 1
+        and config.moe_permute_fusion
+        and config.moe_expert_capacity_factor is None
+        and not config.moe_router_padding_for_quantization
+    )
+
+
 def _fused_pad_align(config):
     plan = padding_plan(config)
     return plan.align if plan.dispatcher_pads else None
 
 
 class PatchedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
-    """AllGather dispatcher whose local permutation pads for quantized experts (F1)."""
+    """AllGather dispatcher whose local permutation pads for quantized experts (F1) or keeps
+    the experts' token counts on the device (F8)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pad_align = _fused_pad_align(self.config)
         self.pad_offsets = None
+        # The stock method sizes the permutation by a host copy of the counts and selects
+        # the probs with masked_select (a sync); with all experts local and dropless routing
+        # the size is tokens x top-k, and TE's fused permute carries the probs.
+        self.device_splits = allgather_keeps_counts_on_device(self.config, self.ep_size, self.tp_size)
 
     def dispatch_postprocess(self, hidden_states, probs):
+        if self.device_splits:
+            return self._permute_with_device_counts(hidden_states, probs)
         if self.pad_align is None:
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
@@ -52,6 +75,24 @@ class PatchedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         self.routing_map = None
         # The experts take host counts, as with the stock dispatcher.
         return permuted_tokens, padded_tokens_per_expert.cpu(), self.local_probs
+
+    def _permute_with_device_counts(self, hidden_states, probs):
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.local_map = self.routing_map  # one rank: every expert is local
+        tokens_per_expert_E = self.local_map.sum(dim=0).long()
+        (
+            permuted_tokens,
+            self.local_probs,
+            self.reversed_local_input_permutation_mapping,
+        ) = permute(
+            hidden_states,
+            self.local_map,
+            probs=probs,
+            num_out_tokens=self.local_map.shape[0] * self.config.moe_router_topk,
+            fused=True,
+        )
+        self.routing_map = None
+        return permuted_tokens, tokens_per_expert_E, self.local_probs
 
     def combine_preprocess(self, hidden_states):
         if self.pad_align is None:

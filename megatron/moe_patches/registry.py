@@ -11,7 +11,8 @@ The patched classes: ``config`` (C0), ``dispatchers`` (F1: one class per stock
 dispatcher), ``experts`` (F3: the one experts class; F4, F5, F8 and F10 are its backends
 and options, so they require F3 and install nothing of their own), ``hybridep_blocks`` (F2),
 ``grouped_checkpoint_keys`` (F6) and ``grouped_optimizer_state`` (F7). F10 is another
-experts backend (FP8 on F8's sync-free path).
+experts backend (FP8 on F8's sync-free path). F11 captures the sync-free MoE layer in CUDA
+graphs: its config rule lives in C0's validation, its capture in ``moe_cuda_graph``.
 """
 
 from dataclasses import dataclass
@@ -236,6 +237,23 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F10-fp8-grouped-mm.md",
         test="tests/unit/test_fp8_grouped_mm.py, tests/gpu/test_fp8_grouped_mm.py",
         module="megatron.moe_patches.fp8_grouped_mm",
+        installs=(),
+        requires=("C0", "F3", "F8"),
+    ),
+    Feature(
+        id="F11",
+        title="CUDA-graph-safe dropless MoE layer",
+        changes="cuda_graph_scope=moe accepted for dropless MoE where graph_blocker allows it (EP 1, "
+        "alltoall/allgather, grouped_mm or fp8_grouped_mm experts); the layer's forward and backward "
+        "captured as CUDA graphs with gradients of parameter aliases (MoELayerGraphs).",
+        fields=(),
+        upstream=("NVIDIA/Megatron-LM#4071 (seed 002)", "NVIDIA/Megatron-LM#2690 (paged stashing, named by seed 002)"),
+        te_requirement="none (torch CUDA graphs; the sync-free path of F8/F10)",
+        te_probe=None,
+        native=lambda: False,
+        page="patches/F11-moe-cuda-graph.md",
+        test="tests/unit/test_moe_cuda_graph.py, tests/gpu/test_moe_cuda_graph.py",
+        module="megatron.moe_patches.moe_cuda_graph",
         installs=(),
         requires=("C0", "F3", "F8"),
     ),
