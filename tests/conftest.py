@@ -1,3 +1,6 @@
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -21,6 +24,40 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(d in str(item.fspath).replace("\\", "/") for d in GPU_DIRS):
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# Tests whose work is a subprocess of its own (pretrain_gpt.py runs, CUDA-graph cases) start
+# it when collection ends, so it runs on the GPU while pytest works through the tests before
+# it. A test module opts in with ``BACKGROUND = {test name: (parameter, function(value))}``;
+# such a test takes the ``background`` fixture: the function's result for its own value.
+_started = {}
+
+
+def _background_key(item):
+    jobs = getattr(item.module, "BACKGROUND", {})
+    if item.originalname not in jobs or not hasattr(item, "callspec"):
+        return None, None
+    name, function = jobs[item.originalname]
+    return (item.module.__name__, item.originalname, item.callspec.params[name]), function
+
+
+def pytest_collection_finish(session):
+    jobs = {}
+    for item in session.items:
+        key, function = _background_key(item)
+        if key is not None and item.get_closest_marker("skip") is None:
+            jobs[key] = function
+    if not jobs:
+        return
+    pool = ThreadPoolExecutor(int(os.environ.get("MOE_PATCHES_GPU_PARALLEL", "6")))
+    _started.update({key: pool.submit(function, key[-1]) for key, function in jobs.items()})
+    pool.shutdown(wait=False)
+
+
+@pytest.fixture
+def background(request):
+    """This test's started job's result (see BACKGROUND); its failure fails this test only."""
+    return _started[_background_key(request.node)[0]].result()
 
 
 @pytest.fixture

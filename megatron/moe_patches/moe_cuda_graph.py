@@ -158,6 +158,9 @@ class MoELayerGraphs:
         self.dtype = sample_TBH.dtype
         context = context or contextlib.nullcontext
         self.captured = [_Captured(layer, sample_TBH) for layer in self.layers]
+        # Warm-up and capture run the layers: their buffers (e.g. the router's token counts
+        # for expert-bias balancing) must not keep what those runs added.
+        buffers = [{n: b.clone() for n, b in layer.named_buffers()} for layer in self.layers]
         _invalidate_fp8_weight_caches()  # FP8 copies are made inside the forward graphs
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -181,6 +184,9 @@ class MoELayerGraphs:
                 with torch.cuda.graph(c.bwd_graph, pool=pool, stream=stream):
                     c.static_grad_x, c.static_grad_params = c.run_backward(c.static_out)
         torch.cuda.current_stream().wait_stream(stream)
+        for layer, saved in zip(self.layers, buffers):
+            for name, buffer in layer.named_buffers():
+                buffer.copy_(saved[name])
         for c in self.captured:
             c.aliases = None  # the graphs hold what they need; the aliases' autograd state can go
 

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -251,11 +252,20 @@ def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, trained, tm
     assert not intact_later["unchanged"]
 
 
+def main_params_run(layout):
+    return one_rank_worker("main_params_worker.py", Path(tempfile.mkdtemp(prefix=f"main-params-{layout}-")), [],
+                           [*LAYOUTS[layout], "--train-iters", "1"])
+
+
+# its worker process starts when collection ends (tests/conftest.py)
+BACKGROUND = {"test_main_params_load_from_a_state_dict_in_the_other_layout": ("layout", main_params_run)}
+
+
 @pytest.mark.parametrize("layout", ["te", pytest.param("grouped", marks=pytest.mark.quick)])
-def test_main_params_load_from_a_state_dict_in_the_other_layout(single_gpu, tmp_path, layout):
+def test_main_params_load_from_a_state_dict_in_the_other_layout(layout, background):
     """reload_model_params(state_dict) (--load-main-params-from-ckpt): fp32 main params of
     indexed experts from a grouped state dict and the reverse, bitwise."""
-    result = one_rank_worker("main_params_worker.py", tmp_path, [], [*LAYOUTS[layout], "--train-iters", "1"])
+    result = background
     print(json.dumps({"layout": layout, **result}))
     assert result["grouped_model"] == (layout == "grouped")
     assert result["expert_params"] > 0 and result["mismatched"] == []

@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -96,27 +96,21 @@ def worker(case, out_path):
     Path(out_path).write_text(json.dumps(report))
 
 
-def run_case(case, out_dir):
-    out = Path(out_dir) / f"{case}.json"
-    run = subprocess.run([sys.executable, __file__, case, str(out)], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, MASTER_PORT=str(29600 + list(CASES).index(case))))
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-5000:]
+def run(case):
+    """The case in a process of its own -> its report."""
+    out = Path(tempfile.mkdtemp(prefix=f"graph-{case}-")) / "report.json"
+    proc = subprocess.run([sys.executable, __file__, case, str(out)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MASTER_PORT=str(29600 + list(CASES).index(case))))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def reports(request, tmp_path_factory):
-    """case -> Future of its report; the selected cases' processes run side by side."""
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")]
-    out_dir = tmp_path_factory.mktemp("graph-cases")
-    with ThreadPoolExecutor(int(os.environ.get("MOE_PATCHES_GPU_PARALLEL", "6"))) as pool:
-        return {case: pool.submit(run_case, case, out_dir) for case in selected}
+BACKGROUND = {"test_replay_is_bitwise_eager": ("case", run)}  # started when collection ends (tests/conftest.py)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.quick) if c == QUICK else c for c in CASES])
-def test_replay_is_bitwise_eager(case, reports):
-    report = reports[case].result()
+def test_replay_is_bitwise_eager(case, background):
+    report = background
     print(json.dumps(report))
     assert report["backend"] == ("fp8_grouped_mm" if "fp8" in case else "grouped_mm")
     assert report["param_grads"] > 0 and report["routing_differs"]

@@ -124,6 +124,17 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                           "overlap the all-to-all too; needs --overlap-moe-expert-parallel-comm and "
                           "--transformer-impl transformer_engine.")
 
+    graphs = parser.add_argument_group("CUDA graphs")
+    graphs.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], default="none",
+                        help="Capture parts of each layer as CUDA graphs. With --cuda-graph-scope moe and "
+                        "dropless MoE this driver captures each MoE layer's forward and backward itself "
+                        "(F11: needs --moe-device-tokens-per-expert, EP 1, alltoall or allgather).")
+    graphs.add_argument("--cuda-graph-scope", nargs="+", default=None,
+                        help="What to capture: moe (the whole MoE layer), or megatron-core's attn, mlp, "
+                        "moe_router, moe_preprocess (default: the whole layer).")
+    graphs.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                        help="Training steps run eagerly before the capture.")
+
     precision = parser.add_argument_group("precision")
     precision.add_argument("--bf16", action="store_true", help="Train in bfloat16 mixed precision.")
     precision.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
@@ -414,6 +425,14 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         raise ValueError("--exit-on-missing-checkpoint needs --load (the checkpoint directory)")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save")
+    if args.cuda_graph_impl != "none" and (args.cuda_graph_scope or []) != ["moe"]:
+        scope = " ".join(args.cuda_graph_scope or ["(the whole layer)"])
+        raise ValueError(f"--cuda-graph-impl {args.cuda_graph_impl} --cuda-graph-scope {scope}: this "
+                         "pretrain_gpt.py captures the moe scope only (each dropless MoE layer, forward and "
+                         "backward); use --cuda-graph-scope moe, or Megatron-LM's training loop for "
+                         "megatron-core's other graph scopes")
+    if args.cuda_graph_scope and args.cuda_graph_impl == "none":
+        raise ValueError("--cuda-graph-scope needs --cuda-graph-impl local or transformer_engine")
     if args.num_experts is None:
         moe_only = [f for f in MOE_ONLY if getattr(args, f) not in (None, False)]
         if moe_only:
@@ -685,6 +704,8 @@ def validate_config(args: argparse.Namespace, te_available: Optional[bool] = Non
     if te_available is None:
         te_available = capabilities.te_version() is not None
     deferred = [] if te_available else [n for n in TE_PROBED_FIELDS if kwargs.get(n) not in (None, False)]
+    if "moe_permute_fusion" in deferred and kwargs.get("cuda_graph_impl") not in (None, "none"):
+        deferred.append("cuda_graph_impl")  # the MoE graph rule reads moe_permute_fusion
     late = {name: kwargs.pop(name) for name in deferred}
     try:
         with warnings.catch_warnings():  # setup() builds it again; its warnings show there once
@@ -735,6 +756,9 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         deterministic_mode=args.deterministic_mode,
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute,
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_scope=args.cuda_graph_scope or "full",
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
     )
     if args.fp8_format:
         kwargs.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)

@@ -53,7 +53,9 @@ def initialize(args: argparse.Namespace) -> None:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    # megatron-core's local graph managers (built with --cuda-graph-impl local) need an RNG
+    # tracker whose states a graph can capture, as Megatron-LM sets it up.
+    model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=args.cuda_graph_impl == "local")
 
 
 def padded_vocab_size(args) -> int:
@@ -311,6 +313,25 @@ def setup(args: argparse.Namespace):
     return gpt, model, optimizer, scheduler
 
 
+def capture_moe_layers(gpt, args):
+    """--cuda-graph-scope moe (F11): every MoE layer's forward and backward as CUDA graphs for
+    the training micro-batch's shape, captured between two steps and replayed from then on."""
+    from megatron.core.fp8_utils import get_fp8_context
+
+    from megatron.moe_patches.moe_cuda_graph import MoELayerGraphs, moe_layers
+
+    config = gpt.config
+    layers = moe_layers(gpt)
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    sample = torch.randn(shape, dtype=config.params_dtype, device="cuda")
+    tick = time.time()
+    graphs = MoELayerGraphs(layers, sample, context=lambda: get_fp8_context(config)).install()
+    _print_rank0(f"moe_patches: captured {len(layers)} MoE layers as CUDA graphs (forward and backward, "
+                 f"input {list(shape)}) after {args.cuda_graph_warmup_steps} eager steps, in "
+                 f"{time.time() - tick:.1f} s")
+    return graphs
+
+
 def pretrain(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -331,7 +352,11 @@ def pretrain(args: argparse.Namespace) -> None:
     num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     forward_backward = get_forward_backward_func()
     started, last_saved, tensorboard = time.time(), None, None
+    steps_run = 0
     while iteration < args.train_iters:
+        if args.cuda_graph_impl != "none" and steps_run == args.cuda_graph_warmup_steps:
+            capture_moe_layers(gpt, args)
+        steps_run += 1
         torch.cuda.synchronize()
         tick = time.time()
         times = {}
