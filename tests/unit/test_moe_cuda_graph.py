@@ -124,3 +124,25 @@ def test_allgather_device_counts_wiring(monkeypatch):
     assert counts.tolist() == [2, 2, 0, 3, 0, 0, 1, 2] and counts.dtype == torch.long
     assert torch.equal(permuted_probs, probs.T[routing.T])
     assert dispatcher.routing_map is None and dispatcher.local_map is routing
+
+
+# --- pretrain_gpt.py ------------------------------------------------------------------------
+
+TINY = ["--yaml-cfg", "tiny-moe", "--train-iters", "5", "--lr-decay-iters", "100"]
+
+
+def test_driver_accepts_moe_graphs_on_the_sync_free_path(parsed, one_rank):
+    args = parsed([*TINY, "--moe-device-tokens-per-expert", "--cuda-graph-impl", "local", "--cuda-graph-scope", "moe",
+                   "--cuda-graph-warmup-steps", "2"])
+    assert (args.cuda_graph_impl, args.cuda_graph_scope, args.cuda_graph_warmup_steps) == ("local", ["moe"], 2)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--cuda-graph-impl", "local", "--cuda-graph-scope", "moe"], "set --moe-device-tokens-per-expert"),
+    (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"],
+     "captures the moe scope only"),
+    (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "transformer_engine"], "captures the moe scope only"),
+    (["--moe-device-tokens-per-expert", "--cuda-graph-scope", "moe"], "--cuda-graph-scope needs --cuda-graph-impl"),
+])
+def test_driver_refuses_graphs_it_cannot_run(refused, one_rank, extra, expected):
+    assert expected in refused([*TINY, *extra])
