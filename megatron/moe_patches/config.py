@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron.moe_patches.expert_table import single_grouped_refusal
-from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, PATCH_FIELDS, MoEPatchFields, log_once
+from megatron.moe_patches.fields import (
+    DEVICE_SPLITS_ENV_ALIAS,
+    LEGACY_GROUPED_GEMM,
+    PATCH_FIELDS,
+    MoEPatchFields,
+    log_once,
+    uses_legacy_grouped_gemm,
+)
 from megatron.moe_patches.moe_cuda_graph import graph_blocker, scope_names
 
 logger = logging.getLogger(__name__)
@@ -44,15 +51,16 @@ def validate_moe_patch_config(config) -> None:
         is_moe
         and config.moe_grouped_gemm
         and config.transformer_impl == "transformer_engine"
-        and not config.moe_use_legacy_grouped_gemm
+        and not uses_legacy_grouped_gemm(config)
     )
 
     grouped = [n for n in ("moe_single_grouped_weight", "moe_single_grouped_bias") if getattr(config, n)]
     if grouped and not te_grouped_experts:
+        legacy = " and moe_use_legacy_grouped_gemm=False" if hasattr(config, LEGACY_GROUPED_GEMM) else ""
         errors.append(
             f"{'/'.join(grouped)}=True needs TE grouped experts: set num_moe_experts, "
             "moe_grouped_gemm=True (--moe-grouped-gemm), "
-            "transformer_impl='transformer_engine' and moe_use_legacy_grouped_gemm=False."
+            f"transformer_impl='transformer_engine'{legacy}."
         )
     elif grouped and single_grouped_refusal(config) is not None:
         errors.append(single_grouped_refusal(config))

@@ -80,3 +80,14 @@ def log_once(logger: logging.Logger, level: int, message: str) -> None:
     if message not in _said:
         _said.add(message)
         logger.log(level, message)
+
+
+# megatron-core 0.16.1's switch to its legacy GroupedMLP experts; later versions dropped
+# the field (and those experts) altogether, so a config without it never uses them.
+LEGACY_GROUPED_GEMM = "moe_use_legacy_grouped_gemm"
+
+
+def uses_legacy_grouped_gemm(config) -> bool:
+    """Whether ``config`` asks for megatron-core's legacy GroupedMLP experts (False where
+    its TransformerConfig has no such field)."""
+    return bool(getattr(config, LEGACY_GROUPED_GEMM, False))

@@ -155,6 +155,19 @@ def is_applied(feature_id: str) -> bool:
     return get(feature_id).id in _applied
 
 
+def installs(feature_id: str) -> bool:
+    """Whether ``apply()`` installs this feature into the imported megatron-core (or already
+    did): False where megatron-core has it natively, where it is outside the tested range,
+    or where a prerequisite neither installs nor is native. Asks no question of the process
+    state besides what is applied, so it answers the same before and after ``apply()``."""
+    feature = get(feature_id)
+    if feature.id in _applied:
+        return True
+    if feature.native() or not cap.mcore_supported():
+        return False
+    return all(get(dep).native() or installs(dep) for dep in feature.requires)
+
+
 def status() -> List[FeatureStatus]:
     """One row per series entry: applied, native, skipped (with why) or off."""
     rows = []
@@ -171,4 +184,4 @@ def status() -> List[FeatureStatus]:
     return rows
 
 
-__all__ = ["apply", "revert", "status", "is_applied", "rebind_everywhere", "FeatureStatus"]
+__all__ = ["apply", "revert", "status", "is_applied", "installs", "rebind_everywhere", "FeatureStatus"]

@@ -26,7 +26,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.expert_table import select_backend
-from megatron.moe_patches.fields import log_once
+from megatron.moe_patches.fields import log_once, uses_legacy_grouped_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _fused_permute_pad_blocker(config) -> Optional[str]:
     if not (
         config.moe_grouped_gemm
         and config.transformer_impl == "transformer_engine"
-        and not config.moe_use_legacy_grouped_gemm
+        and not uses_legacy_grouped_gemm(config)
     ):
         return "it needs TE grouped experts (--moe-grouped-gemm, transformer_impl=transformer_engine)"
     if (config.expert_tensor_parallel_size or 1) > 1:

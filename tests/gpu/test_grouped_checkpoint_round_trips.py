@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron.moe_patches.driver.builtin_recipes import recipe_path
+from megatron.moe_patches.driver.functional import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100", "--deterministic-mode",
@@ -44,14 +45,6 @@ PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuse
 LOSS_RTOL = 0.02  # other kernels (bf16 rounding) one step after a bitwise-equal state
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def recipe_for(layout, workdir):
     """The tiny recipe, without the line DROPPED_RECIPE_LINES names for ``layout``."""
     if layout not in DROPPED_RECIPE_LINES:
@@ -63,7 +56,9 @@ def recipe_for(layout, workdir):
     return ["--yaml-cfg", str(recipe)]
 
 
-def pretrain(layout, iters, save, load=None, launcher=("python",), extra=(), expect_failure=False):
+def pretrain(layout, iters, save, load=None, launcher=("python",), extra=(), expect_failure=False, env=None):
+    """One pretrain_gpt.py run of ``layout``; its logged losses by iteration. ``env``: variables
+    set for the run on top of this process's (e.g. a PYTHONPATH with another megatron-core)."""
     cmd = [*launcher, "pretrain_gpt.py", *BASE, *LAYOUTS[layout], *recipe_for(layout, Path(save).parent),
            "--train-iters", str(iters), "--save", str(save), *extra]
     if launcher == ("python",):
@@ -72,7 +67,7 @@ def pretrain(layout, iters, save, load=None, launcher=("python",), extra=(), exp
         cmd[3:3] = ["--master-port", str(free_port())]
     if load:
         cmd += ["--load", str(load)]
-    env = dict(os.environ, MASTER_PORT=str(free_port()))  # this process holds its own port
+    env = dict(os.environ, **(env or {}), MASTER_PORT=str(free_port()))  # this process holds its own port
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     if expect_failure:
         assert run.returncode != 0, run.stdout[-2000:]
@@ -94,7 +89,16 @@ def flatten(tree, prefix=""):
 def tensors(ckpt_root, iteration=STEPS):
     from megatron.core import dist_checkpointing
 
-    return flatten(dist_checkpointing.load_plain_tensors(str(Path(ckpt_root) / f"iter_{iteration:07d}")))
+    from megatron.moe_patches.driver import checkpointing, compat
+
+    path = str(Path(ckpt_root) / f"iter_{iteration:07d}")
+    if not os.path.isfile(os.path.join(path, "common.pt")) and compat.load_takes_common_strategy():
+        # Saved by megatron-core 0.19.2, which keeps the common state inside the torch_dist
+        # files: megatron-core 0.16.1 reads it through the driver's strategy.
+        return flatten(dist_checkpointing.load(dist_checkpointing.load_tensors_metadata(path), path,
+                                               validate_access_integrity=False,
+                                               common_strategy=checkpointing._common_state_strategy()))
+    return flatten(dist_checkpointing.load_plain_tensors(path))
 
 
 def differences(a, b, tensors_only=False):

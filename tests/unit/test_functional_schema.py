@@ -329,3 +329,16 @@ def test_tracking_follows_the_loss_curve_only(tmp_path):
     assert tracking_problems(tmp_path / "feature", "golden_values_dev_h100.json") == []
     assert tracking_problems(tmp_path / "feature", "golden_values_dev_h200.json") == [
         "vs base: it has no golden_values_dev_h200.json to track"]
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
+    """Child rendezvous ports: never one the OS may hand to an outgoing connection meanwhile."""
+    import socket
+
+    from megatron.moe_patches.driver.functional import free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(p < 32768 for p in ports)
+    with socket.socket() as sock:  # a port held by someone is skipped
+        sock.bind(("127.0.0.1", ports[-1] + 1))
+        assert free_port() != ports[-1] + 1

@@ -8,8 +8,10 @@ with the patch fields, built as ``training.setup`` builds it). Every refusal is 
 ``pretrain_gpt.py: error: ...`` line on stderr (more lines only where there are several
 problems) naming the flags and the fix, with exit status 2 and no traceback.
 ``transformer_config_kwargs`` maps the args to megatron-core's TransformerConfig
-(patched by ``apply()``, so the MoE patch fields are accepted). The training loop and
-``main`` are in ``driver.training``, which imports this module (never the reverse).
+(patched by ``apply()``, so the MoE patch fields are accepted; on a megatron-core the
+patch set does not install into, its own class, with the kwargs
+``compat.fit_config_kwargs`` fits to it). The training loop and ``main`` are in
+``driver.training``, which imports this module (never the reverse).
 """
 
 import argparse
@@ -25,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron.moe_patches.driver import checkpointing
+from megatron.moe_patches.driver import checkpointing, compat
 from megatron.moe_patches.driver.patch_args import add_moe_patch_args, config_kwargs_from_args
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, RecipeError, apply_recipe, load_recipe
 
@@ -612,6 +614,12 @@ TE_PROBED_FIELDS = {
     "fp8_recipe": "read only together with fp8",
     "moe_router_padding_for_quantization": "megatron-core checks it against fp8 (check_args checks it instead)",
 }
+# The same where megatron-core has the patch set's fields natively (and the patch set does
+# not install): its own checks of these ask TE's version.
+NATIVE_TE_PROBED_FIELDS = {
+    "moe_single_grouped_weight": "megatron-core checks TE's version for single grouped weights",
+    "moe_single_grouped_bias": "megatron-core checks TE's version for single grouped biases",
+}
 
 # Config field -> the flag's dest, where they differ.
 _CONFIG_FIELD_DESTS = {
@@ -696,24 +704,28 @@ def validate_config(args: argparse.Namespace, te_available: Optional[bool] = Non
     (``te_available`` None: probe it) every check runs now.
     """
     from megatron.moe_patches import capabilities
-    from megatron.moe_patches.config import PatchedTransformerConfig, validate_moe_patch_config
+    from megatron.moe_patches.config import validate_moe_patch_config
 
     kwargs = transformer_config_kwargs(args)
+    config_class = compat.config_class()  # megatron-core's own where the patch set does not install
+    patched = compat.patch_set_installs()
     if torch.cuda.is_available():  # config checks may ask the GPU: this rank's, not GPU 0 for all
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if te_available is None:
         te_available = capabilities.te_version() is not None
-    deferred = [] if te_available else [n for n in TE_PROBED_FIELDS if kwargs.get(n) not in (None, False)]
+    probed = TE_PROBED_FIELDS if patched else {**TE_PROBED_FIELDS, **NATIVE_TE_PROBED_FIELDS}
+    deferred = [] if te_available else [n for n in probed if kwargs.get(n) not in (None, False)]
     if "moe_permute_fusion" in deferred and kwargs.get("cuda_graph_impl") not in (None, "none"):
         deferred.append("cuda_graph_impl")  # the MoE graph rule reads moe_permute_fusion
     late = {name: kwargs.pop(name) for name in deferred}
     try:
         with warnings.catch_warnings():  # setup() builds it again; its warnings show there once
             warnings.simplefilter("ignore")
-            config = PatchedTransformerConfig(**kwargs)
+            config = config_class(**kwargs)
     except (ValueError, AssertionError, ImportError) as err:  # ImportError: a TE without the asked kernels
-        raise ValueError(config_error_message(_patch_refusal({**kwargs, **late}) or err)) from None
-    if late:  # the patch set's checks need no TE: run them with the real values
+        refusal = _patch_refusal({**kwargs, **late}) if patched else None
+        raise ValueError(config_error_message(refusal or err)) from None
+    if late and patched:  # the patch set's checks need no TE: run them with the real values
         for name, value in late.items():
             setattr(config, name, value)
         try:
@@ -778,4 +790,4 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         )
     kwargs.update(config_kwargs_from_args(args))
-    return kwargs
+    return compat.fit_config_kwargs(kwargs)

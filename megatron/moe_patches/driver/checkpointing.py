@@ -35,6 +35,7 @@ import os
 import re
 from typing import Iterator, List, Optional, Tuple
 
+from megatron.moe_patches.driver import compat
 from megatron.moe_patches.driver.patch_args import restore_args_from_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -336,8 +337,31 @@ def saved_args(root: str) -> dict:
     return saved
 
 
+def saved_concatenated_fc1(model_state, memory_size: int):
+    """``model_state`` (changed in place) holding expert FC1 rows that the model keeps
+    interleaved with block ``memory_size`` and puts in its sharded state dict as they are
+    (megatron-core's own grouped experts, ``compat.memory_glu_interleave``): saved and
+    loaded concatenated instead, optimizer states included, as this driver's checkpoints
+    always hold them (``SAVED_GLU_LAYOUT``)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from megatron.moe_patches.glu_interleave import concatenated_factory
+
+    def convert(entry):
+        if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and EXPERT_FC1.search(entry.key):
+            return concatenated_factory(entry, memory_size)
+        return entry
+
+    return dict_list_map_inplace(convert, model_state)
+
+
 def _model_state(model, args, loading):
     state = model.sharded_state_dict()
+    memory_size = compat.memory_glu_interleave(getattr(model, "config", None))
+    if memory_size:
+        state = saved_concatenated_fc1(state, memory_size)
     size = getattr(args, "checkpoint_glu_interleave_size", None) if loading else None
     return read_interleaved_fc1(state, size) if size else state
 
@@ -527,9 +551,12 @@ def load(root: str, model, optimizer, scheduler, args: argparse.Namespace) -> in
     else:  # the model only: the saved optimizer states (and their layout) do not matter
         state = {"model": _model_state(model, reading, loading=True)}
     check_checkpoint_covers(state, path)
-    # megatron-core merges the common part (the optimizer's plain state) in here, read by
-    # default from common.pt only, which megatron-core 0.19.2's checkpoints lack.
-    loaded = dist_checkpointing.load(state, path, common_strategy=_common_state_strategy())
+    if compat.load_takes_common_strategy():
+        # megatron-core merges the common part (the optimizer's plain state) in here, read by
+        # default from common.pt only, which megatron-core 0.19.2's checkpoints lack.
+        loaded = dist_checkpointing.load(state, path, common_strategy=_common_state_strategy())
+    else:  # a megatron-core (0.19.2) that reads both forms of the common state itself
+        loaded = dist_checkpointing.load(state, path)
     model.load_state_dict(loaded["model"])
     if with_optimizer:
         optimizer.load_state_dict(fit_optimizer_state(optimizer, loaded["optimizer"]))

@@ -49,6 +49,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -268,10 +269,30 @@ def tracking_problems(case_dir, golden_name: str = "golden_values_dev.json") -> 
     return problems
 
 
+_PORTS = range(20000, 30000)  # below Linux's ephemeral range (32768-60999)
+_port_lock = threading.Lock()
+_next_port = None
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port for a child process's rendezvous, different on every call of this process.
+
+    Taken below the ephemeral range: a port the OS hands out there (bind to port 0) can be
+    given to another process's outgoing connection before the child binds it, which fails
+    the child's rendezvous with EADDRINUSE when many runs start side by side."""
+    global _next_port
+    with _port_lock:
+        if _next_port is None:
+            _next_port = _PORTS.start + (os.getpid() * 97) % len(_PORTS)
+        for _ in range(len(_PORTS)):
+            port, _next_port = _next_port, _PORTS.start + (_next_port + 1 - _PORTS.start) % len(_PORTS)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError(f"no free TCP port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def _run(case: dict, extra: List[str], root: Path, log_path: Path) -> str:

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron.moe_patches.driver import checkpointing
+from megatron.moe_patches.driver import checkpointing, compat
 from megatron.moe_patches.driver.arguments import check_args, params_dtype, parse_args, transformer_config_kwargs
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,6 @@ def _blend(data_path):
 def build_train_dataset(args):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     mock = not args.data_path
     config = GPTDatasetConfig(
@@ -160,7 +159,7 @@ def build_train_dataset(args):
         blend=None if mock else _blend(args.data_path),
         split=args.split,
         path_to_cache=args.data_cache_path,
-        tokenizer=NullTokenizer(args.vocab_size - 1),  # ids < vocab_size; the last is EOD
+        tokenizer=compat.null_tokenizer(args.vocab_size),  # ids < vocab_size; the last is EOD
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -251,6 +250,13 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
     return metrics
 
 
+def _number(value):
+    """A logged optimizer scalar as a Python number. megatron-core 0.16.1 returns floats;
+    0.19.2's optimizer step returns the grad norm as a one-element GPU tensor (its norm
+    skips the host sync), and a learning rate may be a tensor there too."""
+    return value.item() if torch.is_tensor(value) else value
+
+
 def _log_line(args, iteration, metrics, started):
     """The iteration line; driver.functional reads lm loss, num zeros, the iteration time and
     the memory back from it, so keep their labels and units in step with its parser."""
@@ -300,6 +306,10 @@ def setup(args: argparse.Namespace):
 
     for row in apply():
         _print_rank0(f"moe_patches: {row.line()}")
+    if not compat.patch_set_installs():
+        from megatron.moe_patches.capabilities import mcore_version
+
+        _print_rank0(f"moe_patches: nothing installed; training on megatron-core {mcore_version()}'s own classes")
     config = tc_module.TransformerConfig(**transformer_config_kwargs(args))
     gpt, model = build_model(args, config)
     optimizer, scheduler = build_optimizer(args, model)
@@ -387,9 +397,10 @@ def pretrain(args: argparse.Namespace) -> None:
             loss = torch.stack([m["lm loss"] for m in losses]).mean().item()
             if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
                 metrics = iteration_metrics(
-                    args, iteration, times, optimizer.param_groups[0]["lr"], loss, grad_norm or 0.0,
-                    dist.get_world_size(), torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
-                    num_zeros if args.log_num_zeros_in_grad else None,  # without it: 0 or None
+                    args, iteration, times, _number(optimizer.param_groups[0]["lr"]), loss,
+                    _number(grad_norm) or 0.0, dist.get_world_size(), torch.cuda.memory_allocated(),
+                    torch.cuda.max_memory_allocated(),
+                    _number(num_zeros) if args.log_num_zeros_in_grad else None,  # without it: 0 or None
                 )
                 print(_log_line(args, iteration, metrics, started), flush=True)
                 if args.tensorboard_dir:
