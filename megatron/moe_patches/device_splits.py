@@ -22,14 +22,17 @@ The allgather dispatcher keeps its host counts. Upstream: ROCm/Megatron-LM (seed
 te_grouped_linear_device_splits`` reports it.
 """
 
+import logging
 from typing import List, Optional
 
 import torch
 
 from megatron.moe_patches.expert_backends import ExpertBackend, glu_activation
-from megatron.moe_patches.fields import patch_option
+from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
 from megatron.moe_patches.single_grouped_params import make_grouped
+
+logger = logging.getLogger(__name__)
 
 # --- grouped weights without copies ------------------------------------------------------
 
@@ -68,10 +71,20 @@ class _BlockView(torch.autograd.Function):
 
 def grouped_weight(block_EOI: Optional[torch.Tensor], weights) -> torch.Tensor:
     """All experts' weights as one differentiable [E, out, in] tensor: a view of the block
-    while the parameters still live in it, otherwise a stacked copy."""
+    while the parameters still live in it, otherwise a stacked copy (said once: under
+    Megatron's distributed optimizer DDP keeps every parameter in its own buffer, in reverse
+    order, so the copy is made every forward)."""
     if block_EOI is not None and _still_in_block(block_EOI, weights):
         return _BlockView.apply(block_EOI, *weights)
+    log_once(logger, logging.WARNING, STACKED_WEIGHTS)
     return torch.stack(list(weights))
+
+
+STACKED_WEIGHTS = (
+    "grouped_mm experts: the per-expert weights no longer live in one [E, out, in] block (moved into "
+    "DDP's parameter buffer or by a load), so every forward copies them into one; "
+    "--moe-single-grouped-weight holds one [E, out, in] parameter per FC and needs no copy."
+)
 
 
 class _ContiguousGrad(torch.autograd.Function):

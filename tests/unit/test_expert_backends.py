@@ -1,3 +1,4 @@
+import logging
 import types
 
 import pytest
@@ -123,12 +124,19 @@ def test_block_view_routes_gradients_to_each_expert():
         assert torch.equal(w.grad, upstream[i])
 
 
-def test_moved_parameter_falls_back_to_a_stacked_copy():
+def test_moved_parameter_falls_back_to_a_stacked_copy(caplog, monkeypatch):
+    from megatron.moe_patches import fields
+
+    monkeypatch.setattr(fields, "_said", set())
     weights = make_weights(3, 4, 2)
     block = f8.gather_into_one_block(weights)
     weights[1].data = weights[1].data.clone()  # e.g. DDP re-homed it
     weights[1].data.add_(1)
-    grouped = f8.grouped_weight(block, weights)
+    with caplog.at_level(logging.WARNING, logger=f8.__name__):
+        grouped = f8.grouped_weight(block, weights)
+        f8.grouped_weight(block, weights)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "--moe-single-grouped-weight" in warned[0]  # said once, with the fix
     assert grouped.data_ptr() != block.data_ptr()
     assert torch.equal(grouped[1], weights[1].detach())
     grouped.sum().backward()
