@@ -24,6 +24,7 @@ from typing import Dict, List, Sequence, Tuple
 HERE = Path(__file__).resolve().parent
 RUN_FIELDS = ("tree", "run")  # fields that tell runs apart inside one file
 SHAPE_ORDER = ("qwen3-30b-a3b", "deepseek-v2-lite", "mixtral")
+PER_GPU_FIELDS = {"tokens_per_gpu": "tokens", "tflops_per_gpu": "tflops"}
 
 
 def load_rows(path: Path) -> List[dict]:
@@ -32,9 +33,13 @@ def load_rows(path: Path) -> List[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as err:
             raise SystemExit(f"{path}:{number}: not a JSON line ({err.msg})") from None
+        for per_gpu, name in PER_GPU_FIELDS.items():  # moe_layer_ep.py's lines: per GPU
+            if per_gpu in row and name not in row:
+                row[name] = row[per_gpu]
+        rows.append(row)
     missing = [key for key in ("shape", "tokens", "precision", "variant", "tflops", "speedup_vs_stock")
                if rows and key not in rows[0]]
     if not rows or missing:
@@ -75,7 +80,9 @@ def title_for(path: Path, rows: Sequence[dict]) -> str:
         how = f"{len(runs)} runs kept apart: each ratio is from one run, against that run's own stock"
     else:
         how = "one run: each ratio is variant vs stock from that single run"
-    return f"{path.stem} — {', '.join(devices)}\n{how} (compare ratios only within one run on one device)"
+    eps = sorted({row["ep"] for row in rows if "ep" in row})
+    where = f" — EP={'/'.join(map(str, eps))}, tokens and TFLOP/s per GPU" if eps else ""
+    return f"{path.stem} — {', '.join(devices)}{where}\n{how} (compare ratios only within one run on one device)"
 
 
 def plot_file(path: Path, out_dir: Path, plt) -> Path:
