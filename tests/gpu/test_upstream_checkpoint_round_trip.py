@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_grouped_checkpoint_round_trips import (
+from pretrain_runs import (
     LAYOUTS,
     LOSS_RTOL,
     STEPS,

@@ -1,0 +1,110 @@
+"""What the checkpoint GPU tests share: tiny-recipe pretrain_gpt.py runs of each expert
+layout, run side by side, and the checkpoints' tensors compared entry by entry."""
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from megatron.moe_patches.driver.builtin_recipes import recipe_path
+from megatron.moe_patches.driver.functional import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100", "--deterministic-mode",
+        "--dist-ckpt-optim-fully-reshardable", "--log-interval", "1"]
+STEPS = 4
+LAYOUTS = {
+    "te": [],  # TE grouped experts, indexed weight0..N-1 (stock layout)
+    "indexed": ["--moe-device-tokens-per-expert"],  # grouped_mm compute, indexed parameters
+    "grouped": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight"],  # one [E, out, in]
+    "op_fuser": ["--use-transformer-engine-op-fuser"],
+    "interleave": ["--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32"],
+    "sequential": [],  # SequentialMLP: the tiny recipe without --moe-grouped-gemm (see recipe_for)
+    "te_bias": [],  # stock TE experts with biases (see recipe_for)
+    "grouped_bias": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight", "--moe-single-grouped-bias"],
+}
+# Recipe lines a layout drops: store_true flags of the tiny recipe it must not have.
+DROPPED_RECIPE_LINES = {"sequential": "moe-grouped-gemm:", "te_bias": "disable-bias-linear:",
+                        "grouped_bias": "disable-bias-linear:"}
+LOSS_RTOL = 0.02  # other kernels (bf16 rounding) one step after a bitwise-equal state
+
+
+def recipe_for(layout, workdir):
+    """The tiny recipe, without the line DROPPED_RECIPE_LINES names for ``layout``."""
+    if layout not in DROPPED_RECIPE_LINES:
+        return []
+    text = Path(recipe_path("tiny-moe")).read_text()
+    recipe = Path(workdir) / f"tiny-moe-{layout}.yaml"
+    dropped = DROPPED_RECIPE_LINES[layout]
+    recipe.write_text("\n".join(l for l in text.splitlines() if not l.startswith(dropped)) + "\n")
+    return ["--yaml-cfg", str(recipe)]
+
+
+def pretrain(layout, iters, save, load=None, launcher=("python",), extra=(), expect_failure=False, env=None):
+    """One pretrain_gpt.py run of ``layout``; its logged losses by iteration. ``env``: variables
+    set for the run on top of this process's (e.g. a PYTHONPATH with another megatron-core)."""
+    cmd = [*launcher, "pretrain_gpt.py", *BASE, *LAYOUTS[layout], *recipe_for(layout, Path(save).parent),
+           "--train-iters", str(iters), "--save", str(save), *extra]
+    if launcher == ("python",):
+        cmd[0] = sys.executable
+    else:
+        cmd[3:3] = ["--master-port", str(free_port())]
+    if load:
+        cmd += ["--load", str(load)]
+    env = dict(os.environ, **(env or {}), MASTER_PORT=str(free_port()))  # this process holds its own port
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    if expect_failure:
+        assert run.returncode != 0, run.stdout[-2000:]
+        return run.stdout + run.stderr
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    losses = {int(m.group(1)): float(m.group(2))
+              for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)", run.stdout)}
+    return losses
+
+
+def flatten(tree, prefix=""):
+    """Nested dicts/lists of tensors -> {dotted path: tensor}."""
+    if isinstance(tree, (dict, list, tuple)):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        return {k: v for key, sub in items for k, v in flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def tensors(ckpt_root, iteration=STEPS):
+    from megatron.core import dist_checkpointing
+
+    from megatron.moe_patches.driver import checkpointing, compat
+
+    path = str(Path(ckpt_root) / f"iter_{iteration:07d}")
+    if not os.path.isfile(os.path.join(path, "common.pt")) and compat.load_takes_common_strategy():
+        # Saved by megatron-core 0.19.2, which keeps the common state inside the torch_dist
+        # files: megatron-core 0.16.1 reads it through the driver's strategy.
+        return flatten(dist_checkpointing.load(dist_checkpointing.load_tensors_metadata(path), path,
+                                               validate_access_integrity=False,
+                                               common_strategy=checkpointing._common_state_strategy()))
+    return flatten(dist_checkpointing.load_plain_tensors(path))
+
+
+def differences(a, b, tensors_only=False):
+    """Checkpoint entries that differ; the runs' own args (common state) are not compared.
+    ``tensors_only``: also skip the plain values, whose nesting follows the optimizer chain."""
+    a = {k: v for k, v in a.items() if not k.startswith("args.") and (torch.is_tensor(v) or not tensors_only)}
+    b = {k: v for k, v in b.items() if not k.startswith("args.") and (torch.is_tensor(v) or not tensors_only)}
+    if a.keys() != b.keys():
+        return [f"keys differ: {sorted(a.keys() ^ b.keys())[:6]}"]
+    return [k for k in a if not (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])]
+
+
+# The runs are pretrain_gpt.py processes of a tiny model, which leaves most of a GPU idle:
+# independent runs go side by side, this many at a time.
+PARALLEL = int(os.environ.get("MOE_PATCHES_GPU_PARALLEL", "6"))
+
+
+def side_by_side(jobs):
+    """{key: (function, *args)} run concurrently -> {key: Future} (all finished)."""
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        return {key: pool.submit(*job) for key, job in jobs.items()}
