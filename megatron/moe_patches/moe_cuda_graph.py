@@ -32,7 +32,9 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from megatron.moe_patches.expert_table import backend_support, select_backend
 from megatron.moe_patches.fields import patch_option
+from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
 
 GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
 CAPTURED_SCOPE = "moe"
@@ -40,8 +42,6 @@ CAPTURED_SCOPE = "moe"
 
 def graph_blocker(config) -> Optional[str]:
     """Why this config's MoE layer cannot be captured as one CUDA graph, or None."""
-    from megatron.moe_patches.expert_table import backend_support, select_backend
-
     if config.num_moe_experts is None:
         return "it has no MoE layer (num_moe_experts is not set)"
     if not patch_option(config, "moe_device_tokens_per_expert"):
@@ -111,11 +111,8 @@ class _Captured:
 
     def run_forward(self):
         aliases = dict(zip(self.names, self.aliases))
-        out, bias = torch.func.functional_call(self.layer, aliases, (self.static_x,), strict=False)
-        if bias is not None:
-            raise ValueError("MoE layer graphs expect no returned MLP bias (megatron-core returns one only "
-                             "with --add-bias-linear and fused bias-dropout-add)")
-        return out
+        out, _ = torch.func.functional_call(self.layer, aliases, (self.static_x,), strict=False)
+        return out  # MoELayer returns no MLP bias (it asserts so)
 
     def run_backward(self, out):
         grads = torch.autograd.grad(out, (self.static_x, *self.aliases), self.static_grad_out, allow_unused=True)
@@ -161,7 +158,7 @@ class MoELayerGraphs:
         # Warm-up and capture run the layers: their buffers (e.g. the router's token counts
         # for expert-bias balancing) must not keep what those runs added.
         buffers = [{n: b.clone() for n, b in layer.named_buffers()} for layer in self.layers]
-        _invalidate_fp8_weight_caches()  # FP8 copies are made inside the forward graphs
+        invalidate_weight_caches()  # FP8 weight copies are made inside the forward graphs
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -212,12 +209,6 @@ def _graphed_forward(layer, captured: _Captured, shape, dtype):
         return _Replay.apply(captured, hidden_states, *captured.params), None
 
     return forward
-
-
-def _invalidate_fp8_weight_caches():
-    from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
-
-    invalidate_weight_caches()
 
 
 def moe_layers(model) -> List[torch.nn.Module]:
