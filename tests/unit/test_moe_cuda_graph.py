@@ -2,6 +2,8 @@
 refusals by name, and the allgather dispatcher's device counts (wiring, with a stand-in
 permute). Capture and replay are proven on the GPU (tests/gpu/test_moe_cuda_graph.py)."""
 
+import types
+
 import pytest
 import torch
 from megatron.core.transformer.enums import CudaGraphScope
@@ -146,3 +148,42 @@ def test_driver_accepts_moe_graphs_on_the_sync_free_path(parsed, one_rank):
 ])
 def test_driver_refuses_graphs_it_cannot_run(refused, one_rank, extra, expected):
     assert expected in refused([*TINY, *extra])
+
+
+# --- when a graphed layer replays (wiring; the replay itself is proven on the GPU) -------------
+
+
+class _EagerLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        return ("eager", hidden_states.shape), None
+
+
+def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
+    from megatron.moe_patches import moe_cuda_graph
+
+    replays = []
+    monkeypatch.setattr(moe_cuda_graph._Replay, "apply",
+                        staticmethod(lambda captured, x, *params: replays.append(len(params)) or "replayed"))
+    layer = _EagerLayer()
+    captured = types.SimpleNamespace(params=[layer.weight])
+    layer.forward = moe_cuda_graph._graphed_forward(layer, captured, (8, 2, 4), torch.bfloat16)
+    x = torch.zeros(8, 2, 4, dtype=torch.bfloat16)
+
+    assert layer(x) == ("replayed", None) and replays == [1]
+    assert layer(x, padding_mask=None, intermediate_tensors=None) == ("replayed", None)
+    assert layer(x, padding_mask=torch.ones(2, 8, dtype=torch.bool))[0][0] == "eager"  # masked tokens
+    assert layer(x, None, None) == ("replayed", None)
+    assert layer(torch.zeros(4, 2, 4, dtype=torch.bfloat16))[0][0] == "eager"  # another shape
+    assert layer(x.float())[0][0] == "eager"  # another dtype
+    with torch.no_grad():
+        assert layer(x)[0][0] == "eager"  # no backward to replay
+    layer.eval()
+    assert layer(x)[0][0] == "eager"
+    assert len(replays) == 3
+    del layer.forward  # what uninstall() does: the class's forward again
+    layer.train()
+    assert layer(x)[0][0] == "eager"
