@@ -187,3 +187,12 @@ def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
     del layer.forward  # what uninstall() does: the class's forward again
     layer.train()
     assert layer(x)[0][0] == "eager"
+
+
+def test_capture_refuses_a_layer_the_table_refuses_before_any_gpu_work():
+    from megatron.moe_patches.moe_cuda_graph import MoELayerGraphs
+
+    layer = _EagerLayer()
+    layer.config = config(cuda_graph_impl="none", moe_token_dispatcher_type="flex")
+    with pytest.raises(ValueError, match="cannot capture this MoE layer: the flex dispatcher"):
+        MoELayerGraphs([layer], torch.zeros(8, 2, 4))
