@@ -108,6 +108,7 @@ class _Captured:
         self.static_out = self.static_grad_out = None
         self.static_grad_x = None
         self.static_grad_params = ()
+        self.replays = 0  # forward replays since the capture
 
     def run_forward(self):
         aliases = dict(zip(self.names, self.aliases))
@@ -192,6 +193,11 @@ class MoELayerGraphs:
             layer.forward = _graphed_forward(layer, captured, self.shape, self.dtype)
         return self
 
+    @property
+    def replays(self) -> int:
+        """Forward replays of all layers since the capture (0 after a step: every call ran eagerly)."""
+        return sum(c.replays for c in self.captured)
+
     def uninstall(self):
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
@@ -206,6 +212,7 @@ def _graphed_forward(layer, captured: _Captured, shape, dtype):
         if (extra or not torch.is_grad_enabled() or not layer.training
                 or tuple(hidden_states.shape) != shape or hidden_states.dtype != dtype):
             return eager(hidden_states, *args, **kwargs)
+        captured.replays += 1
         return _Replay.apply(captured, hidden_states, *captured.params), None
 
     return forward

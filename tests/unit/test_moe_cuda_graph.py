@@ -169,7 +169,7 @@ def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
     monkeypatch.setattr(moe_cuda_graph._Replay, "apply",
                         staticmethod(lambda captured, x, *params: replays.append(len(params)) or "replayed"))
     layer = _EagerLayer()
-    captured = types.SimpleNamespace(params=[layer.weight])
+    captured = types.SimpleNamespace(params=[layer.weight], replays=0)
     layer.forward = moe_cuda_graph._graphed_forward(layer, captured, (8, 2, 4), torch.bfloat16)
     x = torch.zeros(8, 2, 4, dtype=torch.bfloat16)
 
@@ -183,7 +183,7 @@ def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
         assert layer(x)[0][0] == "eager"  # no backward to replay
     layer.eval()
     assert layer(x)[0][0] == "eager"
-    assert len(replays) == 3
+    assert len(replays) == 3 and captured.replays == 3  # what the driver checks after a step
     del layer.forward  # what uninstall() does: the class's forward again
     layer.train()
     assert layer(x)[0][0] == "eager"

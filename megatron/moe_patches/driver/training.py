@@ -362,10 +362,13 @@ def pretrain(args: argparse.Namespace) -> None:
     num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     forward_backward = get_forward_backward_func()
     started, last_saved, tensorboard = time.time(), None, None
-    steps_run = 0
+    steps_run, moe_graphs = 0, None
     while iteration < args.train_iters:
         if args.cuda_graph_impl != "none" and steps_run == args.cuda_graph_warmup_steps:
-            capture_moe_layers(gpt, args)
+            moe_graphs = capture_moe_layers(gpt, args)
+        elif moe_graphs is not None and steps_run == args.cuda_graph_warmup_steps + 1 and not moe_graphs.replays:
+            logger.warning("moe_patches: the captured MoE layer graphs did not replay in the step after the "
+                           "capture (every call ran eagerly: another input shape or a padding mask)")
         steps_run += 1
         torch.cuda.synchronize()
         tick = time.time()
