@@ -26,6 +26,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# Many test subprocesses (pretrain_gpt.py runs, workers) run side by side; each would start one
+# OpenMP thread per core for its little CPU work. Share the cores out instead (children inherit
+# it; torchrun sets 1 for its workers anyway). A value the user set wins.
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 6)))
+
 # Tests whose work is a subprocess of its own (pretrain_gpt.py runs, CUDA-graph cases) start
 # it when collection ends, so it runs on the GPU while pytest works through the tests before
 # it. A test module opts in with ``BACKGROUND = {test name: (parameter, function(value))}``;
