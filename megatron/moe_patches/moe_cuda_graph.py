@@ -10,8 +10,9 @@ megatron-core 0.16.1 refuses ``cuda_graph_scope=moe`` for dropless MoE; the patc
 config accepts it when ``graph_blocker`` is silent and refuses it by name otherwise.
 
 Why the patch set captures the layer itself (``MoELayerGraphs``) instead of handing it
-to megatron-core's graph managers: both capture the backward with the model parameters
-as ``torch.autograd.grad`` inputs. torch (>= 2.10) then accumulates each parameter's
+to megatron-core's local graph manager or ``torch.cuda.make_graphed_callables``: both
+capture the backward with the model parameters as ``torch.autograd.grad`` inputs (the
+latter measured on this layer). torch (>= 2.10) then accumulates each parameter's
 gradient on the stream its ``AccumulateGrad`` node was created on; Megatron's DDP creates
 those nodes at construction, on the default stream, so the capture fails with "operation
 would make the legacy stream depend on a capturing blocking stream". This capture takes
