@@ -69,6 +69,13 @@ class _BlockView(torch.autograd.Function):
         return (None, *grad_EOI.unbind(0))
 
 
+STACKED_WEIGHTS = (
+    "grouped_mm experts: the per-expert weights no longer live in one [E, out, in] block (moved into "
+    "DDP's parameter buffer or by a load), so every forward copies them into one; "
+    "--moe-single-grouped-weight holds one [E, out, in] parameter per FC and needs no copy."
+)
+
+
 def grouped_weight(block_EOI: Optional[torch.Tensor], weights) -> torch.Tensor:
     """All experts' weights as one differentiable [E, out, in] tensor: a view of the block
     while the parameters still live in it, otherwise a stacked copy (said once: under
@@ -78,13 +85,6 @@ def grouped_weight(block_EOI: Optional[torch.Tensor], weights) -> torch.Tensor:
         return _BlockView.apply(block_EOI, *weights)
     log_once(logger, logging.WARNING, STACKED_WEIGHTS)
     return torch.stack(list(weights))
-
-
-STACKED_WEIGHTS = (
-    "grouped_mm experts: the per-expert weights no longer live in one [E, out, in] block (moved into "
-    "DDP's parameter buffer or by a load), so every forward copies them into one; "
-    "--moe-single-grouped-weight holds one [E, out, in] parameter per FC and needs no copy."
-)
 
 
 class _ContiguousGrad(torch.autograd.Function):

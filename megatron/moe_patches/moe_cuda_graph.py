@@ -38,7 +38,6 @@ from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
 
 GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
-CAPTURED_SCOPE = "moe"
 
 
 def graph_blocker(config) -> Optional[str]:
