@@ -1,5 +1,5 @@
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -33,8 +33,10 @@ os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 6))
 
 # Tests whose work is a subprocess of its own (pretrain_gpt.py runs, CUDA-graph cases) start
 # it when collection ends, so it runs on the GPU while pytest works through the tests before
-# it. A test module opts in with ``BACKGROUND = {test name: (parameter, function(value))}``;
-# such a test takes the ``background`` fixture: the function's result for its own value.
+# it. A test module opts in with ``BACKGROUND = {test name: (parameter, function(value))}``
+# (a tuple of parameter names gives the function a tuple of values); such a test takes the
+# ``background`` fixture: the function's result for its own value. A function that chains
+# several runs returns a Future of its own threads' work instead of holding a pool thread.
 _started = {}
 
 
@@ -43,7 +45,9 @@ def _background_key(item):
     if item.originalname not in jobs or not hasattr(item, "callspec"):
         return None, None
     name, function = jobs[item.originalname]
-    return (item.module.__name__, item.originalname, item.callspec.params[name]), function
+    params = item.callspec.params
+    value = tuple(params[n] for n in name) if isinstance(name, tuple) else params[name]
+    return (item.module.__name__, item.originalname, value), function
 
 
 def pytest_collection_finish(session):
@@ -62,7 +66,8 @@ def pytest_collection_finish(session):
 @pytest.fixture
 def background(request):
     """This test's started job's result (see BACKGROUND); its failure fails this test only."""
-    return _started[_background_key(request.node)[0]].result()
+    result = _started[_background_key(request.node)[0]].result()
+    return result.result() if isinstance(result, Future) else result
 
 
 @pytest.fixture

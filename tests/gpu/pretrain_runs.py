@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def pretrain(layout, iters, save, load=None, launcher=("python",), extra=(), exp
     if load:
         cmd += ["--load", str(load)]
     env = dict(os.environ, **(env or {}), MASTER_PORT=str(free_port()))  # this process holds its own port
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    with process_slot:
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     if expect_failure:
         assert run.returncode != 0, run.stdout[-2000:]
         return run.stdout + run.stderr
@@ -100,11 +102,21 @@ def differences(a, b, tensors_only=False):
 
 
 # The runs are pretrain_gpt.py processes of a tiny model, which leaves most of a GPU idle:
-# independent runs go side by side, this many at a time.
+# independent runs go side by side, at most this many processes at a time.
 PARALLEL = int(os.environ.get("MOE_PATCHES_GPU_PARALLEL", "6"))
+process_slot = threading.BoundedSemaphore(PARALLEL)  # held while a run's process lives
+_threads = ThreadPoolExecutor(64)  # threads that wait on runs cost nothing: the slots cap the work
+
+
+def later(function, *args):
+    """Start ``function(*args)`` in a thread now; its Future. Chains of runs (A, then B from A)
+    go this way: a waiting thread holds no process slot."""
+    return _threads.submit(function, *args)
 
 
 def side_by_side(jobs):
     """{key: (function, *args)} run concurrently -> {key: Future} (all finished)."""
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        return {key: pool.submit(*job) for key, job in jobs.items()}
+    futures = {key: later(*job) for key, job in jobs.items()}
+    for future in futures.values():
+        future.exception()  # wait, whatever the outcome
+    return futures

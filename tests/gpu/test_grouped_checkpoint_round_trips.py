@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,75 +26,53 @@ from pretrain_runs import (  # tests/gpu is on sys.path (conftest.py)
     ROOT,
     STEPS,
     differences,
+    later,
     pretrain,
-    side_by_side,
+    process_slot,
     tensors,
 )
 
 # (X, Y, next-step losses bitwise equal): equal where both layouts run the same kernels.
 PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuser", False),
          ("op_fuser", "interleave", False), ("grouped", "sequential", False), ("te_bias", "grouped_bias", False)]
+WORK = Path(tempfile.mkdtemp(prefix="checkpoint-round-trips-"))
 
 
-def selected_params(request, test_name):
-    return [item.callspec.params for item in request.session.items
-            if item.module is request.module and item.originalname == test_name]
-
-
-def train_a(root, layout):
+def train_a(layout):
+    root = WORK / f"A-{layout}"
     losses = pretrain(layout, STEPS + 1, root, extra=["--save-interval", str(STEPS)])
     (root / "latest_checkpointed_iteration.txt").write_text(str(STEPS))  # resume from STEPS
     return root, losses[STEPS + 1]
 
 
-@pytest.fixture(scope="module")
-def trained(request, tmp_path_factory):
-    """layout -> (a checkpoint at STEPS, the loss of step STEPS + 1), trained once per layout;
-    the layouts the selected tests need are trained side by side first."""
-    needed = {p["x"] for p in selected_params(request, "test_layout_round_trip_keeps_every_tensor")}
-    needed |= {p["layout"] for p in selected_params(request, "test_damaged_checkpoint_is_refused_and_loads_nothing")}
-    cache = side_by_side({layout: (train_a, tmp_path_factory.mktemp(f"A-{layout}"), layout) for layout in needed})
-
-    def get(layout):
-        if layout not in cache:
-            cache[layout] = side_by_side({layout: (train_a, tmp_path_factory.mktemp(f"A-{layout}"), layout)})[layout]
-        return cache[layout].result()
-
-    return get
+_trained, _trained_lock = {}, threading.Lock()
 
 
-@pytest.fixture(scope="module")
-def round_trips(request, trained, tmp_path_factory):
-    """(x, y) -> the runs of that round trip, made for all selected pairs side by side:
-    B = A loaded as y, D = y's next step from A, then C = B loaded back as x."""
-    pairs = [(p["x"], p["y"]) for p in selected_params(request, "test_layout_round_trip_keeps_every_tensor")]
-    roots = {pair: tmp_path_factory.mktemp("-".join(pair)) for pair in pairs}
-    a_roots = {}
-    for x, _ in pairs:
-        try:
-            a_roots[x] = trained(x)[0]
-        except Exception:  # the pair's test re-raises it through trained()
-            pass
-    first = side_by_side({
-        (pair, run): (pretrain, pair[1], STEPS + (run == "D"), roots[pair] / run, a_roots[pair[0]])
-        for pair in pairs if pair[0] in a_roots for run in ("B", "D")
-    })
-    second = side_by_side({
-        (pair, "C"): (pretrain, pair[0], STEPS, roots[pair] / "C", roots[pair] / "B")
-        for pair in pairs if (pair, "B") in first and first[pair, "B"].exception() is None
-    })
-    return {pair: {"root": roots[pair], **{run: f for (p, run), f in {**first, **second}.items() if p == pair}}
-            for pair in pairs}
+def trained(layout):
+    """Future of (checkpoint A of ``layout`` at STEPS, the loss of its step STEPS + 1), trained
+    once whichever test asks first."""
+    with _trained_lock:
+        if layout not in _trained:
+            _trained[layout] = later(train_a, layout)
+        return _trained[layout]
+
+
+def round_trip(x, y):
+    """B = A loaded as y and saved at once, D = y's next step from A (beside B), then C = B
+    loaded back as x. Its directories and the two next-step losses."""
+    a_root, x_next = trained(x).result()
+    root = WORK / f"{x}-{y}"
+    d = later(pretrain, y, STEPS + 1, root / "D", a_root)
+    pretrain(y, STEPS, root / "B", a_root)
+    pretrain(x, STEPS, root / "C", root / "B")
+    return {"a": a_root, "b": root / "B", "c": root / "C", "x_next": x_next, "y_next": d.result()[STEPS + 1]}
 
 
 @pytest.mark.parametrize("x, y, same_kernels", PAIRS)
-def test_layout_round_trip_keeps_every_tensor(single_gpu, trained, round_trips, x, y, same_kernels):
-    a_root, x_next = trained(x)
-    runs = round_trips[x, y]
-    runs["B"].result()
-    runs["C"].result()
-    y_next = runs["D"].result()[STEPS + 1]
-    a, b, c = tensors(a_root), tensors(runs["root"] / "B"), tensors(runs["root"] / "C")
+def test_layout_round_trip_keeps_every_tensor(single_gpu, background, x, y, same_kernels):
+    runs = background
+    x_next, y_next = runs["x_next"], runs["y_next"]
+    a, b, c = tensors(runs["a"]), tensors(runs["b"]), tensors(runs["c"])
     optimizer_keys = [k for k in a if k.startswith("optimizer.state.")]
     expert_keys = [k for k in optimizer_keys if ".experts." in k]
     print(json.dumps({"pair": [x, y], "tensors": len(a), "optimizer_state_tensors": len(optimizer_keys),
@@ -114,8 +93,9 @@ def one_rank_worker(worker, tmp_path, worker_args, layout_args):
     out = tmp_path / f"{Path(worker).stem}.json"
     cmd = [sys.executable, str(Path(__file__).resolve().parent / worker), str(out), *map(str, worker_args), "--",
            *BASE, *layout_args]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, MASTER_PORT=str(free_port())))
+    with process_slot:
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, MASTER_PORT=str(free_port())))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -148,18 +128,27 @@ def damaged_copy(a_root, dest, damage):
     return expected
 
 
-@pytest.mark.parametrize("layout", ["te", "grouped"])
-def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, trained, tmp_path, layout):
-    a_root, _ = trained(layout)
-    missing, mis_shaped = tmp_path / "missing_expert", tmp_path / "mis_shaped"
+def damaged_loads(layout):
+    """Checkpoint A of ``layout`` loaded intact, damaged two ways, and at its later save, in
+    one worker process: (the texts the refusals must contain, the worker's outcomes)."""
+    a_root, _ = trained(layout).result()
+    work = WORK / f"damaged-{layout}"
+    work.mkdir()
+    missing, mis_shaped = work / "missing_expert", work / "mis_shaped"
     expected = [damaged_copy(a_root, missing, "missing_expert"), damaged_copy(a_root, mis_shaped, "mis_shaped")]
-    later = tmp_path / "A-next"  # A's own root, pointing at its last save (step STEPS + 1)
-    shutil.copytree(a_root, later)
-    (later / "latest_checkpointed_iteration.txt").write_text(str(STEPS + 1))
+    later_save = work / "A-next"  # A's own root, pointing at its last save (step STEPS + 1)
+    shutil.copytree(a_root, later_save)
+    (later_save / "latest_checkpointed_iteration.txt").write_text(str(STEPS + 1))
     # A first (real Adam states to compare); the later save last: a load that succeeds changes
     # the model, so "unchanged" after a refused one means something
-    outcomes = one_rank_worker("damaged_checkpoint_worker.py", tmp_path,
-                               [a_root, missing, mis_shaped, later], [*LAYOUTS[layout], "--train-iters", str(STEPS)])
+    outcomes = one_rank_worker("damaged_checkpoint_worker.py", work, [a_root, missing, mis_shaped, later_save],
+                               [*LAYOUTS[layout], "--train-iters", str(STEPS)])
+    return expected, outcomes
+
+
+@pytest.mark.parametrize("layout", ["te", "grouped"])
+def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, background, layout):
+    expected, outcomes = background
     print(json.dumps({"layout": layout, "outcomes": outcomes}))
     intact, missing_outcome, mis_shaped_outcome, intact_later = outcomes
     assert intact["error"] is None and intact_later["error"] is None
@@ -174,8 +163,13 @@ def main_params_run(layout):
                            [*LAYOUTS[layout], "--train-iters", "1"])
 
 
-# its worker process starts when collection ends (tests/conftest.py)
-BACKGROUND = {"test_main_params_load_from_a_state_dict_in_the_other_layout": ("layout", main_params_run)}
+# Started when collection ends (tests/conftest.py); the chains of runs return their Futures
+# at once (their threads are this module's own, not the shared pool's).
+BACKGROUND = {
+    "test_layout_round_trip_keeps_every_tensor": (("x", "y"), lambda pair: later(round_trip, *pair)),
+    "test_damaged_checkpoint_is_refused_and_loads_nothing": ("layout", lambda layout: later(damaged_loads, layout)),
+    "test_main_params_load_from_a_state_dict_in_the_other_layout": ("layout", main_params_run),
+}
 
 
 @pytest.mark.parametrize("layout", ["te", pytest.param("grouped", marks=pytest.mark.quick)])
