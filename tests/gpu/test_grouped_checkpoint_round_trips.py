@@ -62,6 +62,7 @@ def round_trip(x, y):
     loaded back as x. Its directories and the two next-step losses."""
     a_root, x_next = trained(x).result()
     root = WORK / f"{x}-{y}"
+    root.mkdir()  # recipe_for writes a layout's recipe beside its runs
     d = later(pretrain, y, STEPS + 1, root / "D", a_root)
     pretrain(y, STEPS, root / "B", a_root)
     pretrain(x, STEPS, root / "C", root / "B")
