@@ -31,6 +31,7 @@ from megatron.moe_patches.expert_backends import ExpertBackend, glu_activation
 from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
 from megatron.moe_patches.single_grouped_params import make_grouped
+from megatron.moe_patches.weighted_glu import GLUSpec, glu_spec, weighted_glu
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +116,17 @@ class RowGroups:
         # Counts from a dispatcher that keeps them on the host (allgather) go up once.
         self.offsets_E = torch.cumsum(tokens_per_expert_E.to(device, non_blocking=True), dim=0, dtype=torch.int32)
         self.num_rows = num_rows
-        self._expert_T = None
+        self._derived = {}
+
+    def derived(self, key, build):
+        """``build(self)``, computed once per forward: what several FCs derive from the groups."""
+        if key not in self._derived:
+            self._derived[key] = build(self)
+        return self._derived[key]
 
     @property
     def expert_T(self) -> torch.Tensor:
-        if self._expert_T is None:
-            self._expert_T = expert_of_row(self.offsets_E, self.num_rows)
-        return self._expert_T
+        return self.derived("expert_T", lambda groups: expert_of_row(groups.offsets_E, groups.num_rows))
 
 
 def bf16_grouped_linear(w_EOI: torch.Tensor, groups: RowGroups):
@@ -129,29 +134,20 @@ def bf16_grouped_linear(w_EOI: torch.Tensor, groups: RowGroups):
     return lambda x_TI: torch._grouped_mm(x_TI, w_EOI.transpose(1, 2), offs=groups.offsets_E)
 
 
-def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, config, b1_EO=None, b2_EO=None) -> torch.Tensor:
+def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec, b1_EO=None, b2_EO=None) -> torch.Tensor:
     """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
     device offsets: the TE experts' math (FC2's bias is scaled by the router prob, as
     megatron-core's TEGroupedMLP applies it). ``fc1``/``fc2`` map [rows, in] -> [rows, out]
     grouped by ``groups`` (bf16 or FP8 grouped GEMMs)."""
-    from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
-    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
-
     h_TF2 = fc1(x_TH)
     # Biases are gathered per row in fp32: the add rounds once (as TE's GEMM epilogue does)
     # and each expert's bias gradient sums its rows in fp32 before the one cast back.
     if b1_EO is not None:
         h_TF2 = (h_TF2 + b1_EO.float()[groups.expert_T]).to(h_TF2.dtype)
-    weights_T1 = probs_T.unsqueeze(-1)
-    if glu_activation(config) == "swiglu":
-        a_TF = weighted_bias_swiglu_impl(h_TF2, None, weights_T1)
-    else:
-        a_TF = weighted_bias_quick_geglu_impl(
-            h_TF2, None, weights_T1, False, config.glu_linear_offset, config.activation_func_clamp_value
-        )
+    a_TF = weighted_glu(h_TF2, probs_T, glu)
     out_TH = _ContiguousGrad.apply(fc2(a_TF.to(x_TH.dtype)))
     if b2_EO is not None:
-        out_TH = (out_TH + b2_EO.float()[groups.expert_T] * weights_T1).to(x_TH.dtype)
+        out_TH = (out_TH + b2_EO.float()[groups.expert_T] * probs_T.unsqueeze(-1)).to(x_TH.dtype)
     return out_TH
 
 
@@ -213,6 +209,7 @@ class GroupedMMBackend(ExpertBackend):
                 if not grouped[name]:
                     self._blocks[linear, name] = gather_into_one_block(self._params(linear, name))
         self._biases = config.add_bias_linear
+        self._glu = glu_spec(config)
 
     @staticmethod
     def _params(linear, name="weight"):
@@ -241,7 +238,7 @@ class GroupedMMBackend(ExpertBackend):
             probs_T,
             self.linear(fc1, self._grouped(fc1), groups),
             self.linear(fc2, self._grouped(fc2), groups),
-            experts.config,
+            self._glu,
             *biases,
         )
         return out_TH, None

@@ -18,8 +18,14 @@ weights: the expert's scale per output column), so no rescaling pass is needed.
   [E, out, in]; dgrad: [E, in, out], written by the same tiled pass), and cached; the cache refreshes when an optimizer
   has stepped since (a global torch optimizer step hook) or a parameter was written in
   place (its version counter), e.g. by a checkpoint load.
-- fprop and dgrad run FP8 with fast accumulation; wgrad runs in bf16 (``torch._grouped_mm``
-  over the saved bf16 inputs): FP8 wgrad would need column-wise copies of both operands.
+- fprop and dgrad run FP8 with fast accumulation. wgrad runs FP8 too (``fp8_wgrad``, the
+  default; ``--no-fp8-wgrad`` computes it in bf16 from the saved bf16 input, which measured
+  faster on the fine-grained shapes: benchmarks/README.md), as TE's recipe does,
+  accumulating in full precision (its K is the expert's token count): the quantization
+  passes of the input and of the output gradient also write transposed copies whose expert
+  segments start at multiples of 16 columns (the GEMM's K offsets must be 16-byte aligned;
+  the few pad columns are zero), and one 2D x 2D ``torch._scaled_grouped_mm`` gives the
+  [E, out, in] gradient. Only the FP8 copies of the input are kept for the backward.
 - Parameters stay bf16 (the distributed optimizer sees bf16 params and fp32 main params,
   as with the grouped_mm backend); the FP8 copies are a per-step cache, not parameters.
 
@@ -107,12 +113,14 @@ def _quantize_torch(x_RC, expert_R, scale_E):
     return (x_RC.float() * scale_R[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
 
 
-def quantize_per_expert(x_RC: torch.Tensor, expert_R: torch.Tensor, num_experts: int):
+def quantize_per_expert(x_RC: torch.Tensor, expert_R: torch.Tensor, num_experts: int,
+                        columns: Optional["PaddedColumns"] = None):
     """E4M3 copy of ``x_RC`` with one scale per expert (rows grouped by ``expert_R``).
 
-    Returns (q_RC, scale_inv_R, scale_inv_E): the row-wise dequantization scales the
-    GEMM takes, and the per-expert ones. Triton on CUDA (two passes), PyTorch elsewhere;
-    both compute x * scale in fp32 and round to nearest even once.
+    Returns (q_RC, scale_inv_R, scale_inv_E, qt_CP): the row-wise dequantization scales the
+    GEMM takes, the per-expert ones, and with ``columns`` the same values transposed, each
+    expert's rows at its padded columns (else None). Triton on CUDA (two passes), PyTorch
+    elsewhere; both compute x * scale in fp32 and round to nearest even once.
     """
     x_RC = x_RC.contiguous()
     if x_RC.is_cuda:
@@ -121,10 +129,47 @@ def quantize_per_expert(x_RC: torch.Tensor, expert_R: torch.Tensor, num_experts:
         amax_E = _expert_amax_torch(x_RC, expert_R, num_experts)
     scale_E, scale_inv_E = scales_from_amax(amax_E)
     if x_RC.is_cuda:
-        q_RC = _quantize_triton(x_RC, expert_R, scale_E)
+        q_RC, qt_CP = _quantize_triton(x_RC, expert_R, scale_E, columns)
     else:
         q_RC = _quantize_torch(x_RC, expert_R, scale_E)
-    return q_RC, scale_inv_E[expert_R.long()], scale_inv_E
+        qt_CP = None if columns is None else columns.transposed(q_RC, expert_R)
+    return q_RC, scale_inv_E[expert_R.long()], scale_inv_E, qt_CP
+
+
+class PaddedColumns:
+    """Where grouped rows land in a transposed FP8 copy for wgrad (K = rows): each expert's
+    segment starts at a multiple of ALIGN columns, its pad columns are zero. Static width
+    (rows + experts * ALIGN, rounded up to ALIGN): no size depends on the routing, so CUDA
+    graphs can hold it."""
+
+    ALIGN = 16
+
+    def __init__(self, offsets_E: torch.Tensor, num_rows: int):
+        experts = offsets_E.numel()
+        counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+        padded_E = (counts_E + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        self.offsets_E = torch.cumsum(padded_E, 0, dtype=torch.int32)  # the wgrad GEMM's K offsets
+        starts_E = self.offsets_E - padded_E
+        self.shift_E = (starts_E - (offsets_E - counts_E)).to(torch.int32)  # row r of e -> column r + shift
+        # >= every padded end, with a spare column; a multiple of ALIGN (the GEMM's row stride)
+        self.width = (num_rows + experts * self.ALIGN + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        # The columns between an expert's last row and its padded end, ALIGN - 1 at most per
+        # expert; the slots an expert does not need point at the spare last column.
+        pad_EA = starts_E[:, None] + counts_E[:, None] + torch.arange(self.ALIGN - 1, device=offsets_E.device)
+        self.pad_columns = torch.where(pad_EA < self.offsets_E[:, None], pad_EA, self.width - 1).reshape(-1)
+
+    def empty(self, channels: int, device) -> torch.Tensor:
+        """A [channels, width] FP8 buffer whose pad columns are already zero."""
+        qt_CP = torch.empty((channels, self.width), dtype=FP8_DTYPE, device=device)
+        qt_CP.view(torch.uint8).index_fill_(1, self.pad_columns.long(), 0)
+        return qt_CP
+
+    def transposed(self, q_RC: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor:
+        """The PyTorch way (CPU): q_RC's rows as the columns they land in."""
+        qt_CP = self.empty(q_RC.shape[1], q_RC.device)
+        rows = torch.arange(q_RC.shape[0], device=q_RC.device)
+        qt_CP.view(torch.uint8)[:, rows + self.shift_E[expert_R.long()]] = q_RC.view(torch.uint8).t()
+        return qt_CP
 
 
 def quantize_weights(w_EOI: torch.Tensor):
@@ -135,7 +180,7 @@ def quantize_weights(w_EOI: torch.Tensor):
     if not w_EOI.is_cuda:
         rows = w_EOI.view(experts * out_features, in_features)
         expert_R = torch.arange(experts, dtype=torch.int32).repeat_interleave(out_features)
-        q_R, _, scale_inv_E = quantize_per_expert(rows, expert_R, experts)
+        q_R, _, scale_inv_E, _ = quantize_per_expert(rows, expert_R, experts)
         w8_EOI = q_R.view(experts, out_features, in_features)
         return w8_EOI, w8_EOI.transpose(1, 2).contiguous(), scale_inv_E
     # One reduction per expert (exact: the max of |w| needs no rounding), then one tiled pass.
@@ -179,15 +224,23 @@ def _triton_kernels():
         tl.atomic_max(amax_ptr + tl.load(expert_ptr + row), tl.max(peak, axis=0))
 
     @triton.jit
-    def quantize_kernel(x_ptr, expert_ptr, scale_ptr, q_ptr, cols, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        scale = tl.load(scale_ptr + tl.load(expert_ptr + row))
-        base = row.to(tl.int64) * cols
-        for start in range(0, cols, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + base + offs, mask=offs < cols, other=0.0).to(tl.float32) * scale
-            v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-            tl.store(q_ptr + base + offs, v.to(tl.float8e4nv), mask=offs < cols)
+    def quantize_kernel(x_ptr, expert_ptr, scale_ptr, shift_ptr, q_ptr, qt_ptr, rows, cols, width,
+                        FP8_MAX: tl.constexpr, TRANSPOSED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        # A [BR, BC] tile: each row scaled by its expert's scale; with TRANSPOSED also stored as
+        # columns of qt (row r of expert e at column r + shift[e]) from the same read.
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        row_in = r < rows
+        inside = row_in[:, None] & (c[None, :] < cols)
+        expert = tl.load(expert_ptr + r, mask=row_in, other=0)
+        scale = tl.load(scale_ptr + expert, mask=row_in, other=1.0)
+        at = r[:, None].to(tl.int64) * cols + c[None, :]
+        v = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32) * scale[:, None]
+        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+        tl.store(q_ptr + at, v, mask=inside)
+        if TRANSPOSED:
+            column = r + tl.load(shift_ptr + expert, mask=row_in, other=0)
+            tl.store(qt_ptr + c[None, :].to(tl.int64) * width + column[:, None], v, mask=inside)
 
     @triton.jit
     def quantize_both_layouts_kernel(w_ptr, scale_ptr, q_ptr, qt_ptr, rows, cols, FP8_MAX: tl.constexpr,
@@ -221,13 +274,18 @@ def _expert_amax_triton(x_RC, expert_R, num_experts):
     return amax_E
 
 
-def _quantize_triton(x_RC, expert_R, scale_E):
-    q_RC = torch.empty(x_RC.shape, dtype=FP8_DTYPE, device=x_RC.device)
+def _quantize_triton(x_RC, expert_R, scale_E, columns: Optional[PaddedColumns]):
     rows, cols = x_RC.shape
+    q_RC = torch.empty(x_RC.shape, dtype=FP8_DTYPE, device=x_RC.device)
+    qt_CP = None if columns is None else columns.empty(cols, x_RC.device)
     if rows and cols:
         _, quantize_kernel, _ = _triton_kernels()
-        quantize_kernel[(rows,)](x_RC, expert_R, scale_E, q_RC, cols, FP8_MAX=E4M3_MAX, BLOCK=_block(cols), num_warps=4)
-    return q_RC
+        tile = 64
+        shift_E, width = (columns.shift_E, columns.width) if columns is not None else (expert_R, 0)
+        quantize_kernel[(triton_cdiv(rows, tile), triton_cdiv(cols, tile))](
+            x_RC, expert_R, scale_E, shift_E, q_RC, q_RC if qt_CP is None else qt_CP, rows, cols, width,
+            FP8_MAX=E4M3_MAX, TRANSPOSED=qt_CP is not None, BR=tile, BC=tile, num_warps=4)
+    return q_RC, qt_CP
 
 
 # --- one FC as an FP8 grouped GEMM ------------------------------------------------------------
@@ -238,35 +296,49 @@ def _expand(scale_inv_E, columns):
 
 
 class _FP8GroupedLinear(torch.autograd.Function):
-    """y_TO = x_TI @ w_EOI[expert(row)]^T in FP8 (fprop, dgrad); wgrad in bf16."""
+    """y_TO = x_TI @ w_EOI[expert(row)]^T with fprop and dgrad in FP8; wgrad in FP8 where
+    ``columns`` (the transposed copies' layout) is given, else in bf16."""
 
     @staticmethod
-    def forward(ctx, x_TI, w_EOI, offsets_E, expert_T, cache: FP8WeightCache):
+    def forward(ctx, x_TI, w_EOI, offsets_E, expert_T, cache: FP8WeightCache, columns: Optional[PaddedColumns]):
         experts, out_features, in_features = w_EOI.shape
-        x8_TI, x_scale_inv_T, _ = quantize_per_expert(x_TI, expert_T, experts)
+        fp8_wgrad = columns is not None and w_EOI.requires_grad
+        x8_TI, x_scale_inv_T, x_scale_inv_E, x8_IP = quantize_per_expert(
+            x_TI, expert_T, experts, columns if fp8_wgrad else None)
         y_TO = torch._scaled_grouped_mm(
             x8_TI, cache.w8_EOI.transpose(1, 2), x_scale_inv_T, _expand(cache.scale_inv_E, out_features),
             offs=offsets_E, out_dtype=x_TI.dtype, use_fast_accum=True,
         )
-        ctx.save_for_backward(x_TI, offsets_E, expert_T)
-        ctx.cache, ctx.in_features = cache, in_features
+        # wgrad's input: the FP8 transposed copy, or the bf16 rows
+        ctx.save_for_backward(x8_IP if fp8_wgrad else x_TI, x_scale_inv_E, offsets_E, expert_T)
+        ctx.cache, ctx.columns, ctx.fp8_wgrad, ctx.w_dtype = cache, columns, fp8_wgrad, w_EOI.dtype
         return y_TO
 
     @staticmethod
     def backward(ctx, dy_TO):
-        x_TI, offsets_E, expert_T = ctx.saved_tensors
-        cache = ctx.cache
+        x_saved, x_scale_inv_E, offsets_E, expert_T = ctx.saved_tensors
+        cache, columns = ctx.cache, ctx.columns
+        experts, in_features, out_features = cache.w8_EIO.shape
+        fp8_wgrad = ctx.fp8_wgrad and ctx.needs_input_grad[1]
         dy_TO = dy_TO.contiguous()
-        dx_TI = None
+        dy8_TO, dy_scale_inv_T, dy_scale_inv_E, dy8_OP = quantize_per_expert(
+            dy_TO, expert_T, experts, columns if fp8_wgrad else None)
+        dx_TI = dw_EOI = None
         if ctx.needs_input_grad[0]:
-            experts = cache.w8_EIO.shape[0]
-            dy8_TO, dy_scale_inv_T, _ = quantize_per_expert(dy_TO, expert_T, experts)
             dx_TI = torch._scaled_grouped_mm(
-                dy8_TO, cache.w8_EIO.transpose(1, 2), dy_scale_inv_T, _expand(cache.scale_inv_E, ctx.in_features),
+                dy8_TO, cache.w8_EIO.transpose(1, 2), dy_scale_inv_T, _expand(cache.scale_inv_E, in_features),
                 offs=offsets_E, out_dtype=dy_TO.dtype, use_fast_accum=True,
             )
-        dw_EOI = torch._grouped_mm(dy_TO.t(), x_TI, offs=offsets_E) if ctx.needs_input_grad[1] else None
-        return dx_TI, dw_EOI, None, None, None
+        if fp8_wgrad:
+            # K = the expert's tokens, up to thousands: accumulate in full precision, as TE does.
+            dw_EOI = torch._scaled_grouped_mm(
+                dy8_OP, x_saved.t(), _expand(dy_scale_inv_E, out_features).view(-1),
+                _expand(x_scale_inv_E, in_features).view(-1), offs=columns.offsets_E, out_dtype=ctx.w_dtype,
+                use_fast_accum=False,
+            )
+        elif ctx.needs_input_grad[1]:
+            dw_EOI = torch._grouped_mm(dy_TO.t(), x_saved, offs=offsets_E)
+        return dx_TI, dw_EOI, None, None, None, None
 
 
 class FP8GroupedMMBackend(GroupedMMBackend):
@@ -298,7 +370,11 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         super().__init__(experts)
         count_optimizer_steps()
         self._caches = {experts.linear_fc1: FP8WeightCache(), experts.linear_fc2: FP8WeightCache()}
+        self._fp8_wgrad = experts.config.fp8_wgrad  # --no-fp8-wgrad: weight gradients in bf16
 
     def linear(self, linear, w_EOI, groups: RowGroups):
         cache = self._caches[linear].get(w_EOI, self._weight_sources(linear))
-        return lambda x_TI: _FP8GroupedLinear.apply(x_TI, w_EOI, groups.offsets_E, groups.expert_T, cache)
+        columns = None
+        if self._fp8_wgrad:
+            columns = groups.derived("fp8_wgrad_columns", lambda g: PaddedColumns(g.offsets_E, g.num_rows))
+        return lambda x_TI: _FP8GroupedLinear.apply(x_TI, w_EOI, groups.offsets_E, groups.expert_T, cache, columns)

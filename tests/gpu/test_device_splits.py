@@ -12,9 +12,11 @@ from megatron.moe_patches import apply, revert
 from megatron.moe_patches import device_splits as f8
 from megatron.moe_patches import expert_backends as eb
 from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
+from megatron.moe_patches.weighted_glu import glu_spec
 
-# Same fused prob-weighted GLU kernel on both sides; only the GEMMs differ (TE/cuBLAS per
-# expert vs one CUTLASS grouped GEMM): fp32 accumulation in another order, bf16 outputs.
+# The GEMMs differ (TE/cuBLAS per expert vs one CUTLASS grouped GEMM: fp32 accumulation in
+# another order) and so does the prob-weighted GLU (megatron-core's compiled kernels vs
+# weighted_glu's, both fp32 inside, bf16 outputs).
 # Allowed: 2**-6 of each tensor's largest magnitude (two bf16 ulps in the top binade).
 TOLERANCE = 2.0**-6
 
@@ -23,7 +25,7 @@ def bf16_mlp(x, counts, probs, w1, w2, config, *biases):
     """The grouped_mm backend's bf16 MLP over rows grouped by ``counts``."""
     groups = f8.RowGroups(counts, x.shape[0], x.device)
     fc1, fc2 = f8.bf16_grouped_linear(w1, groups), f8.bf16_grouped_linear(w2, groups)
-    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, config, *biases)
+    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config), *biases)
 
 
 CASES = [  # activation, experts, topk, tokens

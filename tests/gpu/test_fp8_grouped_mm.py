@@ -32,19 +32,22 @@ def kwargs_for(experts, topk, activation, dispatcher="alltoall", fp8_format="e4m
     return small_moe_kwargs(experts, topk, activation, "fp8", moe_token_dispatcher_type=dispatcher, fp8=fp8_format)
 
 
-CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format, expert biases
-    pytest.param("swiglu", 128, 8, 300, "alltoall", "e4m3", False, marks=pytest.mark.quick),  # experts with no token
-    ("swiglu", 64, 2, 1000, "alltoall", "hybrid", False),
-    ("swiglu", 32, 8, 2048, "allgather", "e4m3", False),
-    ("quick_geglu", 64, 1, 500, "alltoall", "e4m3", False),
-    ("quick_geglu", 16, 2, 1000, "allgather", "hybrid", False),
-    ("swiglu", 64, 8, 1000, "alltoall", "e4m3", True),  # FC1's bias added, FC2's scaled by the prob
+CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format, expert biases, FP8 wgrad
+    pytest.param("swiglu", 128, 8, 300, "alltoall", "e4m3", False, True, marks=pytest.mark.quick),  # idle experts
+    ("swiglu", 64, 2, 1000, "alltoall", "hybrid", False, True),
+    ("swiglu", 32, 8, 2048, "allgather", "e4m3", False, True),
+    ("quick_geglu", 64, 1, 500, "alltoall", "e4m3", False, True),
+    ("quick_geglu", 16, 2, 1000, "allgather", "hybrid", False, True),
+    ("swiglu", 64, 8, 1000, "alltoall", "e4m3", True, True),  # FC1's bias added, FC2's scaled by the prob
+    ("swiglu", 128, 8, 300, "alltoall", "e4m3", False, False),  # --no-fp8-wgrad: weight gradients in bf16
 ]
 
 
-@pytest.mark.parametrize("activation, experts, topk, tokens, dispatcher, fp8_format, bias", CASES)
-def test_fp8_backend_matches_stock_te_fp8(single_gpu, activation, experts, topk, tokens, dispatcher, fp8_format, bias):
-    kwargs = {**kwargs_for(experts, topk, activation, dispatcher, fp8_format), "add_bias_linear": bias}
+@pytest.mark.parametrize("activation, experts, topk, tokens, dispatcher, fp8_format, bias, fp8_wgrad", CASES)
+def test_fp8_backend_matches_stock_te_fp8(single_gpu, activation, experts, topk, tokens, dispatcher, fp8_format, bias,
+                                          fp8_wgrad):
+    kwargs = {**kwargs_for(experts, topk, activation, dispatcher, fp8_format), "add_bias_linear": bias,
+              "fp8_wgrad": fp8_wgrad}
     bf16_kwargs = {**kwargs, "fp8": None, "fp8_recipe": "delayed"}
     revert()
     _, stock = run(tc_module.TransformerConfig(**kwargs), tokens)
@@ -58,7 +61,7 @@ def test_fp8_backend_matches_stock_te_fp8(single_gpu, activation, experts, topk,
     assert reference_layer.experts.backend.name == "grouped_mm"
     vs_stock = max_rel_error(stock, ours)
     ours_vs_bf16, stock_vs_bf16 = max_rel_error(reference, ours), max_rel_error(reference, stock)
-    print(json.dumps({"case": [activation, experts, topk, tokens, dispatcher, fp8_format, bias],
+    print(json.dumps({"case": [activation, experts, topk, tokens, dispatcher, fp8_format, bias, fp8_wgrad],
                       "max_rel_vs_stock": {k: round(v, 5) for k, v in vs_stock.items()},
                       "ours_vs_bf16": max(ours_vs_bf16.values()), "stock_vs_bf16": max(stock_vs_bf16.values())}))
     assert stock["output"].abs().sum() > 0
@@ -75,10 +78,56 @@ def test_triton_quantization_equals_the_pytorch_one(rows, cols, experts):
     x[::5] = 0  # zero rows
     expert_R = torch.sort(torch.randint(0, experts, (rows,), device="cuda")).values.to(torch.int32)
     expert_R[expert_R == 1] = 2  # expert 1 gets no row
-    q, scale_inv_R, scale_inv_E = fp8.quantize_per_expert(x, expert_R, experts)
-    q_cpu, scale_inv_R_cpu, scale_inv_E_cpu = fp8.quantize_per_expert(x.cpu(), expert_R.cpu(), experts)
+    offsets_E = torch.bincount(expert_R.long(), minlength=experts).cumsum(0).to(torch.int32)
+    q, scale_inv_R, scale_inv_E, qt = fp8.quantize_per_expert(x, expert_R, experts, fp8.PaddedColumns(offsets_E, rows))
+    q_cpu, scale_inv_R_cpu, scale_inv_E_cpu, qt_cpu = fp8.quantize_per_expert(
+        x.cpu(), expert_R.cpu(), experts, fp8.PaddedColumns(offsets_E.cpu(), rows))
     assert torch.equal(scale_inv_E.cpu(), scale_inv_E_cpu) and torch.equal(scale_inv_R.cpu(), scale_inv_R_cpu)
     assert torch.equal(q.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    used = int(fp8.PaddedColumns(offsets_E.cpu(), rows).offsets_E[-1])  # columns past it: no group's
+    assert torch.equal(qt.cpu().view(torch.uint8)[:, :used], qt_cpu.view(torch.uint8)[:, :used])
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+@pytest.mark.parametrize("counts", [[0, 37, 16, 0, 300, 1, 0, 83], [512] * 4])
+def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgrad):
+    """fprop, dgrad and wgrad against float64 GEMMs of the very operands they multiply (FP8
+    ones dequantized; bf16 ones for wgrad without ``fp8_wgrad``): what remains is fp32
+    accumulation and the one bf16 rounding of each result. Experts with no row must get an
+    exactly zero weight gradient."""
+    torch.manual_seed(len(counts))
+    experts, in_features, out_features = len(counts), 256, 384
+    counts_E = torch.tensor(counts, device="cuda")
+    offsets_E = counts_E.cumsum(0).to(torch.int32)
+    rows = sum(counts)
+    expert_R = torch.repeat_interleave(torch.arange(experts, device="cuda", dtype=torch.int32), counts_E)
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(experts, out_features, in_features, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
+    cache = fp8.FP8WeightCache().get(w, [w])
+    columns = fp8.PaddedColumns(offsets_E, rows) if fp8_wgrad else None
+    y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache, columns)
+    y.backward(dy)
+
+    def dequantized(t_RC):
+        q, scale_inv_R, _, _ = fp8.quantize_per_expert(t_RC, expert_R, experts)
+        return q.double() * scale_inv_R.double()[:, None]
+
+    x_deq, dy_deq = dequantized(x.detach()), dequantized(dy)
+    w_deq = cache.w8_EOI.double() * cache.scale_inv_E.double()[:, None, None]
+    want_y, want_dx = torch.empty(rows, out_features).double().cuda(), torch.empty(rows, in_features).double().cuda()
+    want_dw = torch.zeros_like(w_deq)
+    for e, (end, count) in enumerate(zip(offsets_E.tolist(), counts)):
+        sl = slice(end - count, end)
+        want_y[sl], want_dx[sl] = x_deq[sl] @ w_deq[e].t(), dy_deq[sl] @ w_deq[e]
+        want_dw[e] = (dy_deq[sl].t() @ x_deq[sl]) if fp8_wgrad else (dy[sl].double().t() @ x.detach()[sl].double())
+    for name, got, want in (("y", y, want_y), ("dx", x.grad, want_dx), ("dw", w.grad, want_dw)):
+        err = ((got.double() - want).abs() / (want.abs().max() + 1e-30)).max().item()
+        print(json.dumps({"counts": counts, "fp8_wgrad": fp8_wgrad, name: err}))
+        assert err <= 2.0**-7, (name, err)  # bf16 rounding (2**-9) plus fp32/fast accumulation
+    for e, count in enumerate(counts):
+        if count == 0:
+            assert not w.grad[e].any(), f"expert {e} has no row but a weight gradient"
 
 
 @pytest.mark.parametrize("experts, out_features, in_features", [(8, 384, 256), (3, 100, 70)])

@@ -186,6 +186,13 @@ def test_te_probing_checks_are_left_to_setup_only_without_te(capsys, refused):
                                                "moe_router_padding_for_quantization"}
 
 
+def test_fp8_wgrad_flag_maps_into_the_config():
+    fp8 = [*MOE, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+    assert transformer_config_kwargs(parse_args(fp8))["fp8_wgrad"] is True  # megatron-core's default
+    assert transformer_config_kwargs(parse_args([*fp8, "--no-fp8-wgrad"]))["fp8_wgrad"] is False
+    assert "fp8_wgrad" not in transformer_config_kwargs(parse_args([*MOE, "--no-fp8-wgrad"]))  # no FP8: unread
+
+
 def test_grouped_mm_single_grouped_weight_validates_on_cpu():
     args = parse_args([*MOE, "--moe-device-tokens-per-expert", "--moe-single-grouped-weight"])
     assert validate_config(args, te_available=False) == []

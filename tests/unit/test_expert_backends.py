@@ -10,6 +10,7 @@ from megatron.moe_patches import expert_backends as eb
 from megatron.moe_patches import expert_table
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.dispatchers import PatchedAlltoAllTokenDispatcher
+from megatron.moe_patches.weighted_glu import glu_spec
 
 BASE = dict(
     num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
@@ -22,7 +23,7 @@ def bf16_mlp(x, counts, probs, w1, w2, config, *biases):
     """The grouped_mm backend's bf16 MLP over rows grouped by ``counts``."""
     groups = f8.RowGroups(counts, x.shape[0], x.device)
     fc1, fc2 = f8.bf16_grouped_linear(w1, groups), f8.bf16_grouped_linear(w2, groups)
-    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, config, *biases)
+    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config), *biases)
 
 
 def cfg(**overrides):

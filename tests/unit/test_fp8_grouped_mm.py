@@ -43,7 +43,7 @@ def test_per_expert_quantization_matches_the_float64_reference(dtype):
     expert_R = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3], dtype=torch.int32)  # expert 1 has no row
     x_RC = (torch.randn(8, 24) * torch.tensor([1e-3, 1e-3, 1e-3, 50, 50, 1, 1, 1])[:, None]).to(dtype)
     x_RC[6] = 0  # a zero row inside a non-zero expert
-    q_RC, scale_inv_R, scale_inv_E = fp8.quantize_per_expert(x_RC, expert_R, 4)
+    q_RC, scale_inv_R, scale_inv_E, _ = fp8.quantize_per_expert(x_RC, expert_R, 4)
     deq_ref, scale_inv_ref_E = reference_quantize(x_RC, expert_R, 4)
     assert q_RC.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(scale_inv_E.double(), scale_inv_ref_E, rtol=2.0**-23, atol=0)  # fp32 scales
@@ -54,6 +54,27 @@ def test_per_expert_quantization_matches_the_float64_reference(dtype):
     # Each expert's largest magnitude lands on E4M3's largest value.
     for e in (0, 2, 3):
         assert q_RC[expert_R == e].float().abs().max() == E4M3_MAX
+
+
+def test_wgrad_columns_start_each_expert_at_a_multiple_of_16_with_zero_pad_columns():
+    counts = [0, 5, 16, 17, 0, 1]  # empty experts, exact multiples, one row past one
+    offsets_E = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = sum(counts)
+    columns = fp8.PaddedColumns(offsets_E, rows)
+    assert columns.offsets_E.tolist() == [0, 16, 32, 64, 64, 80]  # written out: ceil16 of each count
+    assert columns.width == 144  # 39 rows + 6 * 16, up to a multiple of 16 (the GEMM's row stride)
+    expert_R = torch.repeat_interleave(torch.arange(6, dtype=torch.int32), torch.tensor(counts))
+    q_RC = (torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) % 200 + 1).to(torch.float8_e4m3fn)
+    qt_CP = columns.transposed(q_RC, expert_R)
+    starts = [0, 0, 16, 32, 64, 64]
+    for e, count in enumerate(counts):  # an expert's rows, in order, from its padded start
+        first = sum(counts[:e])
+        for i in range(count):
+            assert torch.equal(qt_CP[:, starts[e] + i].view(torch.uint8), q_RC[first + i].view(torch.uint8))
+    used = {starts[e] + i for e, count in enumerate(counts) for i in range(count)}
+    pads = [c for c in range(80) if c not in used]  # inside the padded segments, not rows
+    assert len(pads) == 80 - rows
+    assert not qt_CP[:, pads].view(torch.uint8).any()
 
 
 def test_scales_from_amax():

@@ -144,6 +144,8 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                            "backward); needs --bf16 (default: no FP8).")
     precision.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default="delayed",
                            help="FP8 scaling recipe (with --fp8-format).")
+    precision.add_argument("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false",
+                           help="Compute weight gradients in bf16, not FP8 (with --fp8-format).")
 
     train = parser.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=1,
@@ -773,7 +775,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
     )
     if args.fp8_format:
-        kwargs.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
+        kwargs.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_wgrad=args.fp8_wgrad)
     if args.num_experts is not None:
         kwargs.update(
             num_moe_experts=args.num_experts,

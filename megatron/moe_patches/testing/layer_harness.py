@@ -63,7 +63,8 @@ def init_expert_parallel(seed: int = 1234) -> int:
 def moe_config_kwargs(shape: MoEShape, precision: str = "bf16", **overrides) -> dict:
     """Constructor kwargs of a TransformerConfig for one SwiGLU MoE layer of ``shape``.
 
-    ``precision``: "bf16", or "fp8" for FP8 tensorwise (current scaling) on bf16 params.
+    ``precision``: "bf16", "fp8" for FP8 tensorwise (current scaling) on bf16 params, or
+    "fp8-bf16-wgrad": the same with ``fp8_wgrad=False`` (weight gradients in bf16).
     """
     kwargs = dict(
         num_layers=1,
@@ -84,10 +85,10 @@ def moe_config_kwargs(shape: MoEShape, precision: str = "bf16", **overrides) -> 
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    if precision == "fp8":
-        kwargs.update(fp8="e4m3", fp8_recipe="tensorwise")
+    if precision in ("fp8", "fp8-bf16-wgrad"):
+        kwargs.update(fp8="e4m3", fp8_recipe="tensorwise", fp8_wgrad=precision == "fp8")
     elif precision != "bf16":
-        raise ValueError(f"precision={precision!r}: expected 'bf16' or 'fp8'")
+        raise ValueError(f"precision={precision!r}: expected 'bf16', 'fp8' or 'fp8-bf16-wgrad'")
     kwargs.update(overrides)
     return kwargs
 

@@ -1,0 +1,76 @@
+"""weighted_glu's Triton kernels against a float64 reference of the same math (and, reported,
+megatron-core's compiled functions): output, input gradient and prob gradient."""
+
+import json
+
+import pytest
+import torch
+
+from megatron.moe_patches.weighted_glu import GLUSpec, megatron_weighted_glu, weighted_glu
+
+SWIGLU = GLUSpec("swiglu", 1.0, 0.0, None)
+QUICK_GEGLU = GLUSpec("quick_geglu", 1.702, 1.0, 7.0)  # gpt-oss-like: offset 1, clamp 7
+
+
+def reference(h_TF2, probs_T, da_TF, spec):
+    """float64 autograd of act(x1) * (x2 + offset) * prob, the clamp applied first."""
+    h = h_TF2.double().requires_grad_()
+    p = probs_T.double().requires_grad_()
+    x1, x2 = h.chunk(2, dim=-1)
+    if spec.clamp is not None:
+        x1, x2 = x1.clamp(max=spec.clamp), x2.clamp(-spec.clamp, spec.clamp)
+    unweighted = x1 * torch.sigmoid(spec.alpha * x1) * (x2 + spec.linear_offset)
+    a = unweighted * p[:, None]
+    a.backward(da_TF.double())
+    terms = unweighted.detach() * da_TF.double()  # what each row's prob gradient sums
+    return a.detach(), h.grad, p.grad, terms.abs().sum(-1)
+
+
+def within(got, want, rel, floor):
+    """Every element within rel * |want| + floor; the worst ratio to that bound."""
+    err = (got.double() - want).abs()
+    return (err / (rel * want.abs() + floor)).max().item() if err.numel() else 0.0
+
+
+@pytest.mark.parametrize("spec", [SWIGLU, QUICK_GEGLU], ids=lambda s: s.name)
+@pytest.mark.parametrize("rows, features", [(1000, 768), (37, 1408), (300, 64), (0, 768)])
+def test_kernels_match_a_float64_reference(spec, rows, features):
+    torch.manual_seed(rows + features)
+    h = (torch.randn(rows, 2 * features, device="cuda") * 4).bfloat16()  # beyond the clamp at times
+    probs = torch.rand(rows, device="cuda")
+    probs[::7] = 0.0  # padded rows carry prob 0
+    da = torch.randn(rows, features, device="cuda").bfloat16()
+
+    h_in, p_in = h.clone().requires_grad_(), probs.clone().requires_grad_()
+    a = weighted_glu(h_in, p_in, spec)
+    a.backward(da)
+    ref_a, ref_dh, ref_dp, dp_terms = reference(h, probs, da, spec)
+
+    # Each output is computed in fp32 and rounded once to bf16 (half an ulp: 2**-9 relative);
+    # the floor covers fp32 rounding where a product's factors nearly cancel.
+    scale_a, scale_dh = (t.abs().max().item() if t.numel() else 1.0 for t in (ref_a, ref_dh))
+    worst = {
+        "output": within(a, ref_a, 2.0**-8, 2.0**-16 * scale_a),
+        "input_grad": within(h_in.grad, ref_dh, 2.0**-8, 2.0**-16 * scale_dh),
+        # fp32 sums of `features` fp32 products: each term off by at most 2**-23 relative
+        "prob_grad": within(p_in.grad, ref_dp, 0.0, features * 2.0**-22 * dp_terms + 1e-30),
+    }
+    assert a.dtype == h.dtype and h_in.grad.dtype == h.dtype and p_in.grad.dtype == probs.dtype
+
+    # megatron-core's functions (reported; they round intermediate results differently)
+    versus = {}
+    if rows:
+        h_m, p_m = h.clone().requires_grad_(), probs.clone().requires_grad_()
+        a_m = megatron_weighted_glu(h_m, p_m, spec)
+        a_m.backward(da)
+        versus = {"output": (a - a_m).abs().max().item(), "input_grad": (h_in.grad - h_m.grad).abs().max().item(),
+                  "prob_grad": (p_in.grad - p_m.grad.view(-1)).abs().max().item()}
+    print(json.dumps({"spec": spec.name, "rows": rows, "features": features, "worst_vs_bound": worst,
+                      "max_abs_vs_megatron": versus}))
+    assert all(v <= 1.0 for v in worst.values()), worst
+
+    # The same inputs give the same bits (no atomics: graph replay and deterministic mode rely on it)
+    h_again, p_again = h.clone().requires_grad_(), probs.clone().requires_grad_()
+    a_again = weighted_glu(h_again, p_again, spec)
+    a_again.backward(da)
+    assert torch.equal(a_again, a) and torch.equal(h_again.grad, h_in.grad) and torch.equal(p_again.grad, p_in.grad)
