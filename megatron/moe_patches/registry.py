@@ -211,14 +211,15 @@ SERIES: Tuple[Feature, ...] = (
         id="F8",
         title="Device-resident tokens_per_expert",
         changes="tokens_per_expert stays on the GPU from routing to the expert GEMMs for backends "
-        "that take device splits; one host copy for the others.",
+        "that take device splits; one host copy for the others. Its grouped_mm backend runs the "
+        "prob-weighted GLU as one Triton pass each way (weighted_glu).",
         fields=("moe_device_tokens_per_expert",),
         upstream=("ROCm/Megatron-LM (seed 004: GPU m_splits for grouped GEMM)",),
         te_requirement="GroupedLinear.forward(m_splits_tensor=) where present; else own backend",
         te_probe=cap.te_grouped_linear_device_splits,
         native=lambda: cap.mcore_has_fields("moe_device_tokens_per_expert"),
         page="patches/F8-device-tokens-per-expert.md",
-        test="tests/gpu/test_device_splits.py, tests/unit/test_expert_backends.py",
+        test="tests/gpu/test_device_splits.py, tests/gpu/test_weighted_glu.py, tests/unit/test_expert_backends.py",
         module="megatron.moe_patches.device_splits",
         installs=(),
         requires=("C0", "F3"),
@@ -228,7 +229,7 @@ SERIES: Tuple[Feature, ...] = (
         title="FP8 grouped-GEMM experts",
         changes="With device splits and FP8 tensorwise, the experts run torch._scaled_grouped_mm over all "
         "local experts (per-expert E4M3 scales, Triton quantization, weights quantized once per "
-        "optimizer step, bf16 wgrad), sync-free and without padding.",
+        "optimizer step, FP8 wgrad unless --no-fp8-wgrad), sync-free and without padding.",
         fields=(),
         upstream=("none: this project's backend (the FP8 counterpart of F8's grouped_mm)",),
         te_requirement="none (torch._scaled_grouped_mm on sm90, Triton)",
