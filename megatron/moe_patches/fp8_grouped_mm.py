@@ -33,6 +33,7 @@ Other recipes (delayed, MXFP8, blockwise) and ``--fp8-param-gather`` keep the TE
 with one log line naming why.
 """
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -202,14 +203,9 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_kernels = None
-
-
+@functools.cache
 def _triton_kernels():
     """The quantization kernels, compiled on first use (Triton is a GPU-side import)."""
-    global _kernels
-    if _kernels is not None:
-        return _kernels
     import triton
     import triton.language as tl
 
@@ -257,8 +253,7 @@ def _triton_kernels():
         tl.store(q_ptr + base + r[:, None] * cols + c[None, :], v, mask=inside)
         tl.store(qt_ptr + base + c[None, :] * rows + r[:, None], v, mask=inside)
 
-    _kernels = (expert_amax_kernel, quantize_kernel, quantize_both_layouts_kernel)
-    return _kernels
+    return expert_amax_kernel, quantize_kernel, quantize_both_layouts_kernel
 
 
 def _block(cols: int) -> int:

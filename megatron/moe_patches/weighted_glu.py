@@ -15,6 +15,7 @@ depend on scheduling, so CUDA-graph replay and deterministic mode see the same b
 Off CUDA or without Triton, megatron-core's own functions compute it.
 """
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -109,14 +110,9 @@ def _blocks(features: int):
     return 2048 // block_features, block_features
 
 
-_kernels = None
-
-
+@functools.cache
 def _triton_kernels():
     """The two kernels, compiled on first use (Triton is a GPU-side import)."""
-    global _kernels
-    if _kernels is not None:
-        return _kernels
     import triton
     import triton.language as tl
 
@@ -169,5 +165,4 @@ def _triton_kernels():
             tl.store(dh_ptr + gate_at + features, d2.to(dh_ptr.dtype.element_ty), mask=inside)
         tl.store(dp_ptr + r, dp.to(dp_ptr.dtype.element_ty), mask=r < rows)
 
-    _kernels = (forward_kernel, backward_kernel)
-    return _kernels
+    return forward_kernel, backward_kernel
