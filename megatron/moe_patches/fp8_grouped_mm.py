@@ -276,6 +276,7 @@ def _quantize_triton(x_RC, expert_R, scale_E, columns: Optional[PaddedColumns]):
     if rows and cols:
         _, quantize_kernel, _ = _triton_kernels()
         tile = 64
+        # Without columns the TRANSPOSED branch is compiled out: any tensor stands in for its pointers.
         shift_E, width = (columns.shift_E, columns.width) if columns is not None else (expert_R, 0)
         quantize_kernel[(triton_cdiv(rows, tile), triton_cdiv(cols, tile))](
             x_RC, expert_R, scale_E, shift_E, q_RC, q_RC if qt_CP is None else qt_CP, rows, cols, width,
@@ -314,10 +315,11 @@ class _FP8GroupedLinear(torch.autograd.Function):
         x_saved, x_scale_inv_E, offsets_E, expert_T = ctx.saved_tensors
         cache, columns = ctx.cache, ctx.columns
         experts, in_features, out_features = cache.w8_EIO.shape
-        fp8_wgrad = ctx.fp8_wgrad and ctx.needs_input_grad[1]
+        fp8_wgrad = ctx.fp8_wgrad
         dy_TO = dy_TO.contiguous()
-        dy8_TO, dy_scale_inv_T, dy_scale_inv_E, dy8_OP = quantize_per_expert(
-            dy_TO, expert_T, experts, columns if fp8_wgrad else None)
+        if ctx.needs_input_grad[0] or fp8_wgrad:  # else only the bf16 wgrad reads dy
+            dy8_TO, dy_scale_inv_T, dy_scale_inv_E, dy8_OP = quantize_per_expert(
+                dy_TO, expert_T, experts, columns if fp8_wgrad else None)
         dx_TI = dw_EOI = None
         if ctx.needs_input_grad[0]:
             dx_TI = torch._scaled_grouped_mm(
