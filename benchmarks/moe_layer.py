@@ -48,6 +48,9 @@ VARIANTS = {
     "device-splits-graph": {"moe_device_tokens_per_expert": True, **GRAPHED},
     "device-splits-grouped-graph": {"moe_device_tokens_per_expert": True, "moe_single_grouped_weight": True,
                                     **GRAPHED},
+    # F12: EP > 1 tokens through symmetric memory (no host sync, no chunk sort).
+    "symmetric-exchange": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True},
+    "symmetric-exchange-graph": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True, **GRAPHED},
     # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
     "op-fuser": {"use_transformer_engine_op_fuser": True},
     "op-fuser-interleave": {"use_transformer_engine_op_fuser": True, "moe_mlp_glu_interleave_size": 32},
@@ -76,15 +79,19 @@ def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
 
 
+# Kernels of the expert-parallel exchange: NCCL's, and F12's stores, barriers and copies.
+EXCHANGE_KERNELS = ("nccl", "push_rows_kernel", "copy_zero_tail_kernel", "barrier")
+
+
 def exchange_ms(layer, hidden, grad) -> float:
-    """Device time of the NCCL kernels (the expert-parallel exchange) in one forward+backward."""
+    """Device time of the expert-parallel exchange's kernels in one forward+backward."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         forward_backward(layer, hidden, grad)
         torch.cuda.synchronize()
     layer.zero_grad(set_to_none=True)
     microseconds = 0.0
     for event in prof.key_averages():
-        if "nccl" in event.key.lower():
+        if any(name in event.key.lower() for name in EXCHANGE_KERNELS):
             microseconds += getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
     return microseconds / 1000
 

@@ -7,7 +7,7 @@ stock megatron-core vs the patch set's variants, in one run, on identical weight
 EP = the world size (the shapes' expert counts must divide by it); ``--tokens`` is per GPU,
 each rank draws its own input. Rank 0 prints one JSON line per case and variant, with
 ``ep``: the slowest rank's median ms (a step waits for it) and the mean over ranks, expert
-GEMM TFLOP/s per GPU, the largest peak MiB, the NCCL kernels' device time in one
+GEMM TFLOP/s per GPU, the largest peak MiB, the exchange kernels' device time (NCCL's or F12's) in one
 forward+backward (the expert-parallel exchange) and its share of the step, and
 ``speedup_vs_stock`` against the stock layer of the same run.
 """

@@ -28,6 +28,7 @@ from megatron.moe_patches.fields import (
     uses_legacy_grouped_gemm,
 )
 from megatron.moe_patches.moe_cuda_graph import graph_blocker, scope_names
+from megatron.moe_patches.symmetric_exchange import exchange_config_errors
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,12 @@ def validate_moe_patch_config(config) -> None:
             "moe_device_tokens_per_expert=True applies to grouped experts only: set "
             "num_moe_experts and moe_grouped_gemm=True, or drop --moe-device-tokens-per-expert."
         )
+
+    if config.moe_symmetric_exchange and not is_moe:
+        errors.append("moe_symmetric_exchange=True applies to MoE layers only: set num_moe_experts, "
+                      "or drop --moe-symmetric-exchange.")
+    elif is_moe:
+        errors.extend(exchange_config_errors(config))
 
     if graphs_dropless_moe(config):
         reason = graph_blocker(config)

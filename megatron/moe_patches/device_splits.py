@@ -144,7 +144,8 @@ def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec, b1_
     # and each expert's bias gradient sums its rows in fp32 before the one cast back.
     if b1_EO is not None:
         h_TF2 = (h_TF2 + b1_EO.float()[groups.expert_T]).to(h_TF2.dtype)
-    a_TF = weighted_glu(h_TF2, probs_T, glu)
+    # Rows past the last group (F12's bound) stay zero from here on.
+    a_TF = weighted_glu(h_TF2, probs_T, glu, rows_used=groups.offsets_E[-1:])
     out_TH = _ContiguousGrad.apply(fc2(a_TF.to(x_TH.dtype)))
     if b2_EO is not None:
         out_TH = (out_TH + b2_EO.float()[groups.expert_T] * probs_T.unsqueeze(-1)).to(x_TH.dtype)

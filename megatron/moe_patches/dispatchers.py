@@ -4,9 +4,11 @@
   ``padding_plan`` gives the dispatcher the padding, else None and the stock path) and
   ``device_splits`` (F8 with one rank and no TP: every expert is local, so the permuted
   row count is tokens x top-k, known without the GPU, and the counts stay on the device).
-- ``PatchedAlltoAllTokenDispatcher``: ``pad_align`` (F1) and ``device_splits`` (F8:
+- ``PatchedAlltoAllTokenDispatcher``: ``pad_align`` (F1), ``device_splits`` (F8:
   ``tokens_per_expert`` stays on the GPU; with one source rank and no TP the chunk sort
-  by local expert is the identity and is skipped, ``skips_chunk_sort``).
+  by local expert is the identity and is skipped, ``skips_chunk_sort``) and ``exchange``
+  (F12: the symmetric-memory exchange in place of NCCL's all-to-all, or None; it lands
+  tokens grouped by local expert, so there is no chunk sort either).
 - The flex dispatcher's patched part is its HybridEP manager (F2, ``hybridep_blocks``);
   F1 and F8 do not apply to it (HybridEP pads and counts on device itself).
 
@@ -24,6 +26,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.fused_permute_pad import align_up, permute_and_pad, unpermute_and_unpad
 from megatron.moe_patches.routed_expert_padding import padding_plan
+from megatron.moe_patches.symmetric_exchange import symmetric_exchange_for
 
 
 def allgather_keeps_counts_on_device(config, ep_size: int, tp_size: int) -> bool:
@@ -119,9 +122,14 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.pad_align = _fused_pad_align(self.config)
         self.pad_offsets = None
         self.device_splits = bool(patch_option(self.config, "moe_device_tokens_per_expert"))
+        self.exchange = symmetric_exchange_for(self.config, self.ep_group, self.ep_size)
+        self.exchange_plan = None
         # One source rank, no TP: sorting chunks by local expert keeps them in place, yet
         # the stock path still copies all permuted tokens through the sort (both ways).
-        self.skips_chunk_sort = self.device_splits and self.ep_size == 1 and self.tp_size == 1
+        # The symmetric exchange lands tokens sorted by local expert already.
+        self.skips_chunk_sort = (
+            self.device_splits and self.ep_size == 1 and self.tp_size == 1
+        ) or self.exchange is not None
 
     # --- F8: counts stay on the device --------------------------------------------------
 
@@ -132,10 +140,24 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         super()._maybe_update_cuda_sync_point(point)
 
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if self.exchange is not None:  # no split size goes to the host
+            return tokens_per_expert
         if not self.device_splits:
             return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
         super()._maybe_dtoh_and_synchronize(point, None)  # split sizes still go to the host
         return tokens_per_expert
+
+    # --- F12: the symmetric-memory exchange ---------------------------------------------
+
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        if self.exchange is None:
+            return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
+        return self.exchange.dispatch(self.exchange_plan, permutated_local_input_tokens, permuted_probs)
+
+    def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
+        if self.exchange is None:
+            return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
+        return self.exchange.combine(self.exchange_plan, hidden_states)
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         if not self.skips_chunk_sort:
@@ -153,6 +175,11 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     # --- F1: permute+pad in one pass ----------------------------------------------------
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        if self.exchange is not None:
+            # Dropless (exchange_config_errors): tokens x top-k rows, known on the host.
+            self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
+            self.exchange_plan = self.exchange.plan(routing_map.sum(dim=0), routing_map.size(0))
+            return self.exchange_plan.tokens_per_local_expert
         tokens_per_local_expert = super().preprocess(routing_map)
         if self.pad_align is None:
             return tokens_per_local_expert

@@ -58,6 +58,12 @@ class MoEPatchFields:
         "Keep tokens_per_expert on the GPU from routing to the expert GEMMs (no host sync where "
         "the expert backend takes device splits). NVTE_USE_GROUPED_GEMM_TRITON=1 also sets it.",
     )
+    moe_symmetric_exchange: bool = _field(
+        False,
+        "Exchange tokens between the expert-parallel ranks of one NVLink node through symmetric "
+        "GPU memory (alltoall dispatcher, with --moe-device-tokens-per-expert): split sizes stay on "
+        "the GPU, no host sync, tokens land grouped by local expert. NCCL's all-to-all otherwise.",
+    )
 
 
 PATCH_FIELDS = tuple(dataclasses.fields(MoEPatchFields))

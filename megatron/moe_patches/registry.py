@@ -12,7 +12,8 @@ dispatcher), ``experts`` (F3: the one experts class; F4, F5, F8 and F10 are its 
 and options, so they require F3 and install nothing of their own), ``hybridep_blocks`` (F2),
 ``grouped_checkpoint_keys`` (F6) and ``grouped_optimizer_state`` (F7). F10 is another
 experts backend (FP8 on F8's sync-free path). F11 captures the sync-free MoE layer in CUDA
-graphs: its config rule lives in C0's validation, its capture in ``moe_cuda_graph``.
+graphs: its config rule lives in C0's validation, its capture in ``moe_cuda_graph``. F12 is
+an option of the alltoall dispatcher (F1's class): its exchange lives in ``symmetric_exchange``.
 """
 
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ _PATCH_FIELDS = (
     "moe_hybridep_num_blocks_unpermute",
     "moe_permute_fusion_into_hybridep",
     "moe_device_tokens_per_expert",
+    "moe_symmetric_exchange",
 )
 
 SERIES: Tuple[Feature, ...] = (
@@ -257,6 +259,24 @@ SERIES: Tuple[Feature, ...] = (
         module="megatron.moe_patches.moe_cuda_graph",
         installs=(),
         requires=("C0", "F3", "F8"),
+    ),
+    Feature(
+        id="F12",
+        title="Sync-free expert-parallel exchange",
+        changes="With moe_symmetric_exchange the alltoall dispatcher sends tokens to their experts' "
+        "ranks through peer-mapped symmetric memory (one Triton store kernel each way, routing "
+        "derived on the GPU), landing them grouped by local expert: no host sync, no chunk sort.",
+        fields=("moe_symmetric_exchange",),
+        upstream=("none: this project's exchange (megatron-core 0.16.1's alltoall dispatcher, "
+                  "NCCL all_to_all_single with host split sizes, is what it replaces)",),
+        te_requirement="none (torch symmetric memory, Triton; grouped_mm / fp8_grouped_mm experts)",
+        te_probe=None,
+        native=lambda: False,
+        page="patches/F12-symmetric-exchange.md",
+        test="tests/unit/test_symmetric_exchange.py, tests/gpu/test_symmetric_exchange.py",
+        module="megatron.moe_patches.symmetric_exchange",
+        installs=(),
+        requires=("C0", "F1", "F8"),
     ),
 )
 

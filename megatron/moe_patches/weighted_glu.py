@@ -12,6 +12,10 @@ gradient and each row's prob gradient), all arithmetic in fp32, each output roun
 
 Each row's prob gradient is summed inside one program (no atomics): the result does not
 depend on scheduling, so CUDA-graph replay and deterministic mode see the same bits.
+
+``rows_used`` (a 1-element device tensor): rows from it on are outside every expert group
+(F12's received tensors have a static bound, the grouped GEMMs leave those rows unwritten);
+both passes treat their inputs as zero there, so they come out zero, gradients included.
 Off CUDA or without Triton, megatron-core's own functions compute it.
 """
 
@@ -47,10 +51,15 @@ def glu_spec(config) -> GLUSpec:
     raise ValueError(f"no prob-weighted gated activation for activation_func={config.activation_func}")
 
 
-def weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUSpec) -> torch.Tensor:
+def weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUSpec,
+                 rows_used: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[rows, 2F] FC1 output and [rows] router probs -> [rows, F] weighted activation."""
     if h_TF2.is_cuda and cap.triton_available():
-        return _WeightedGLU.apply(h_TF2, probs_T, spec)
+        return _WeightedGLU.apply(h_TF2, probs_T, spec, rows_used)
+    if rows_used is not None:
+        inside_T = torch.arange(h_TF2.shape[0], device=h_TF2.device) < rows_used
+        h_TF2 = torch.where(inside_T[:, None], h_TF2, 0)
+        probs_T = torch.where(inside_T, probs_T, 0)
     return megatron_weighted_glu(h_TF2, probs_T, spec)
 
 
@@ -66,7 +75,7 @@ def megatron_weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUS
 
 class _WeightedGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TF2, probs_T, spec: GLUSpec):
+    def forward(ctx, h_TF2, probs_T, spec: GLUSpec, rows_used):
         h_TF2 = h_TF2.contiguous()
         probs_T = probs_T.contiguous()
         rows, features = h_TF2.shape[0], h_TF2.shape[1] // 2
@@ -75,10 +84,10 @@ class _WeightedGLU(torch.autograd.Function):
             forward_kernel, _ = _triton_kernels()
             block_rows, block_features = _blocks(features)
             grid = (-(-rows // block_rows), -(-features // block_features))
-            forward_kernel[grid](h_TF2, probs_T, a_TF, rows, features, *_constants(spec),
+            forward_kernel[grid](h_TF2, probs_T, a_TF, *_row_limits(rows, rows_used), features, *_constants(spec),
                                  BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
         ctx.save_for_backward(h_TF2, probs_T)
-        ctx.spec = spec
+        ctx.spec, ctx.rows_used = spec, rows_used
         return a_TF
 
     @staticmethod
@@ -92,11 +101,16 @@ class _WeightedGLU(torch.autograd.Function):
             _, backward_kernel = _triton_kernels()
             block_rows, block_features = _blocks(features)
             backward_kernel[(-(-rows // block_rows),)](
-                da_TF, h_TF2, probs_T, dh_TF2, dprobs_T, rows, features, *_constants(ctx.spec),
-                BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
+                da_TF, h_TF2, probs_T, dh_TF2, dprobs_T, *_row_limits(rows, ctx.rows_used), features,
+                *_constants(ctx.spec), BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
         elif rows:
             dprobs_T.zero_()
-        return dh_TF2, dprobs_T, None
+        return dh_TF2, dprobs_T, None, None
+
+
+def _row_limits(rows: int, rows_used: Optional[torch.Tensor]):
+    """The kernels' (rows, rows_used or None, HAS_USED) arguments."""
+    return rows, rows_used, rows_used is not None
 
 
 def _constants(spec: GLUSpec):
@@ -117,34 +131,43 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def forward_kernel(h_ptr, p_ptr, a_ptr, rows, features, alpha, offset, clamp, HAS_CLAMP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    def forward_kernel(h_ptr, p_ptr, a_ptr, rows, used_ptr, HAS_USED: tl.constexpr, features, alpha, offset,
+                       clamp, HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         inside = (r[:, None] < rows) & (f[None, :] < features)
+        if HAS_USED:  # rows past it read as zero
+            used = r < tl.load(used_ptr)
+        else:
+            used = r < rows
         gate_at = r[:, None].to(tl.int64) * (2 * features) + f[None, :]
-        x1 = tl.load(h_ptr + gate_at, mask=inside, other=0.0).to(tl.float32)
-        x2 = tl.load(h_ptr + gate_at + features, mask=inside, other=0.0).to(tl.float32)
+        x1 = tl.load(h_ptr + gate_at, mask=inside & used[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(h_ptr + gate_at + features, mask=inside & used[:, None], other=0.0).to(tl.float32)
         if HAS_CLAMP:
             x1 = tl.minimum(x1, clamp)
             x2 = tl.minimum(tl.maximum(x2, -clamp), clamp)
-        p = tl.load(p_ptr + r, mask=r < rows, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + r, mask=used, other=0.0).to(tl.float32)
         a = x1 * tl.sigmoid(alpha * x1) * (x2 + offset) * p[:, None]
         tl.store(a_ptr + r[:, None].to(tl.int64) * features + f[None, :], a.to(a_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def backward_kernel(da_ptr, h_ptr, p_ptr, dh_ptr, dp_ptr, rows, features, alpha, offset, clamp,
-                        HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    def backward_kernel(da_ptr, h_ptr, p_ptr, dh_ptr, dp_ptr, rows, used_ptr, HAS_USED: tl.constexpr, features,
+                        alpha, offset, clamp, HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        p = tl.load(p_ptr + r, mask=r < rows, other=0.0).to(tl.float32)
+        if HAS_USED:  # rows past it read as zero
+            used = r < tl.load(used_ptr)
+        else:
+            used = r < rows
+        p = tl.load(p_ptr + r, mask=used, other=0.0).to(tl.float32)
         dp = tl.zeros([BLOCK_R], dtype=tl.float32)
         for start in range(0, features, BLOCK_F):
             f = start + tl.arange(0, BLOCK_F)
             inside = (r[:, None] < rows) & (f[None, :] < features)
             gate_at = r[:, None].to(tl.int64) * (2 * features) + f[None, :]
-            x1 = tl.load(h_ptr + gate_at, mask=inside, other=0.0).to(tl.float32)
-            x2 = tl.load(h_ptr + gate_at + features, mask=inside, other=0.0).to(tl.float32)
-            da = tl.load(da_ptr + r[:, None].to(tl.int64) * features + f[None, :], mask=inside, other=0.0)
+            x1 = tl.load(h_ptr + gate_at, mask=inside & used[:, None], other=0.0).to(tl.float32)
+            x2 = tl.load(h_ptr + gate_at + features, mask=inside & used[:, None], other=0.0).to(tl.float32)
+            da = tl.load(da_ptr + r[:, None].to(tl.int64) * features + f[None, :], mask=inside & used[:, None],
+                         other=0.0)
             da = da.to(tl.float32)
             if HAS_CLAMP:  # the clamp passes the gradient where it left the value as it was
                 pass_1 = x1 <= clamp

@@ -22,6 +22,8 @@ LAYOUTS = {
     "te": [],  # TE grouped experts, indexed weight0..N-1 (stock layout)
     "indexed": ["--moe-device-tokens-per-expert"],  # grouped_mm compute, indexed parameters
     "grouped": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight"],  # one [E, out, in]
+    # ... and at EP > 1 tokens exchanged through symmetric memory (F12; EP 1 has nothing to exchange)
+    "exchange": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight", "--moe-symmetric-exchange"],
     "op_fuser": ["--use-transformer-engine-op-fuser"],
     "interleave": ["--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32"],
     "sequential": [],  # SequentialMLP: the tiny recipe without --moe-grouped-gemm (see recipe_for)

@@ -185,7 +185,7 @@ def test_main_params_load_from_a_state_dict_in_the_other_layout(layout, backgrou
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs")
-@pytest.mark.parametrize("layout", ["te", "grouped"])
+@pytest.mark.parametrize("layout", ["te", "grouped", "exchange"])
 def test_ep1_ep2_ep1_round_trip(single_gpu, tmp_path, layout):
     torchrun = ("torchrun", "--nproc-per-node", "2")
     ep2 = ["--expert-model-parallel-size", "2"]

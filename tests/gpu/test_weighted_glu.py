@@ -74,3 +74,25 @@ def test_kernels_match_a_float64_reference(spec, rows, features):
     a_again = weighted_glu(h_again, p_again, spec)
     a_again.backward(da)
     assert torch.equal(a_again, a) and torch.equal(h_again.grad, h_in.grad) and torch.equal(p_again.grad, p_in.grad)
+
+
+@pytest.mark.parametrize("spec", [SWIGLU, QUICK_GEGLU], ids=lambda s: s.name)
+def test_rows_past_rows_used_come_out_zero(spec):
+    """F12's received tensors end in rows outside every expert, holding whatever memory held:
+    from ``rows_used`` on, output and gradients are zero even where the input is inf/nan."""
+    torch.manual_seed(3)
+    rows, used, features = 300, 211, 768
+    h = (torch.randn(rows, 2 * features, device="cuda") * 4).bfloat16()
+    h[used::3] = float("nan")
+    h[used + 1::3] = float("inf")
+    probs = torch.rand(rows, device="cuda").requires_grad_()
+    h.requires_grad_()
+    rows_used = torch.tensor([used], dtype=torch.int32, device="cuda")
+    a = weighted_glu(h, probs, spec, rows_used=rows_used)
+    da = torch.randn_like(a)
+    da[used::2] = float("nan")
+    a.backward(da)
+    assert not a[used:].any() and not h.grad[used:].any() and not probs.grad[used:].any()
+    # The rows before it are the kernel's usual result.
+    want = weighted_glu(h.detach()[:used], probs.detach()[:used], spec)
+    assert torch.equal(a[:used], want)

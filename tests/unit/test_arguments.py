@@ -83,6 +83,7 @@ def test_restore_list_forces_bools_only():
         "moe_single_grouped_bias",
         "moe_permute_fusion_into_hybridep",
         "moe_device_tokens_per_expert",
+        "moe_symmetric_exchange",
     }
 
 

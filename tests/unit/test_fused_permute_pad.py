@@ -112,6 +112,7 @@ def bare_alltoall(config, ep_size, num_local_experts, ep_rank=0):
     dispatcher.config = config
     dispatcher.pad_align = fused_padding_alignment(config)
     dispatcher.device_splits = dispatcher.skips_chunk_sort = False
+    dispatcher.exchange = None
     dispatcher.drop_and_pad = False
     dispatcher.ep_size, dispatcher.tp_size, dispatcher.tp_rank = ep_size, 1, 0
     dispatcher.num_experts = config.num_moe_experts

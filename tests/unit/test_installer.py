@@ -159,6 +159,7 @@ class NewerTransformerConfig(TransformerConfig):
     moe_hybridep_num_blocks_unpermute: Optional[int] = None
     moe_permute_fusion_into_hybridep: bool = False
     moe_device_tokens_per_expert: bool = False
+    moe_symmetric_exchange: bool = False
 
 
 def test_native_features_detected_and_not_installed(reverted, monkeypatch):
@@ -166,11 +167,11 @@ def test_native_features_detected_and_not_installed(reverted, monkeypatch):
     rows = {r.id: r for r in apply()}
     for feature_id in ("C0", "F2", "F4", "F5", "F6", "F8"):
         assert rows[feature_id].state == "native", rows[feature_id]
-    # Not detectable through config fields (F10, F11: no megatron-core has them): installed,
+    # Not detectable through config fields (F10-F12: no megatron-core has them): installed,
     # with the native C0 as their base.
-    assert {rows[f].state for f in ("F1", "F3", "F7", "F10", "F11")} == {"applied"}
+    assert {rows[f].state for f in ("F1", "F3", "F7", "F10", "F11", "F12")} == {"applied"}
     assert tc_module.TransformerConfig is NewerTransformerConfig
-    assert set(installer._applied) == {"F1", "F3", "F7", "F10", "F11"}
+    assert set(installer._applied) == {"F1", "F3", "F7", "F10", "F11", "F12"}
 
 
 def test_native_probe_sees_stock_class_while_applied(reverted):

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_series_order_and_ids():
-    assert [f.id for f in SERIES] == ["C0", "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F10", "F11"]
+    assert [f.id for f in SERIES] == ["C0", "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F10", "F11", "F12"]
     assert set(BY_ID) == {f.id for f in SERIES}
 
 

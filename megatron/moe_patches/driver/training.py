@@ -320,7 +320,28 @@ def setup(args: argparse.Namespace):
         config.grad_sync_func = model.start_grad_sync
     params = sum(p.numel() for p in gpt.parameters())
     _print_rank0(f"model: {params / 1e6:.1f} M parameters on this rank | world size {dist.get_world_size()}")
+    moe = describe_moe_layers(gpt)
+    if moe:
+        _print_rank0(f"moe_patches: {moe}")
     return gpt, model, optimizer, scheduler
+
+
+def describe_moe_layers(gpt) -> str:
+    """One line: what the MoE layers run (expert backend, expert-parallel exchange), or ''."""
+    from megatron.moe_patches.moe_cuda_graph import moe_layers
+
+    layers = moe_layers(gpt)
+    if not layers:
+        return ""
+    layer = layers[0]
+    backend = getattr(getattr(layer.experts, "backend", None), "name", type(layer.experts).__name__)
+    dispatcher = layer.token_dispatcher
+    ep_size = getattr(dispatcher, "ep_size", 1)
+    if getattr(dispatcher, "exchange", None) is not None:
+        exchange = "symmetric memory (F12, no host sync)"
+    else:
+        exchange = f"{type(dispatcher).__name__}'s own" if ep_size > 1 else "none (EP 1)"
+    return f"{len(layers)} MoE layers | experts: {backend} | EP {ep_size} exchange: {exchange}"
 
 
 def capture_moe_layers(gpt, args):

@@ -1,0 +1,374 @@
+"""F12: the expert-parallel exchange whose split sizes never leave the GPU.
+
+megatron-core's alltoall dispatcher sends tokens with NCCL's ``all_to_all_single``, whose
+split sizes are host lists: every MoE layer waits for the router's counts to reach the
+host, and then sorts the received chunks by local expert. With ``moe_symmetric_exchange``
+the ranks of one NVLink node write each other's memory instead (PyTorch symmetric memory,
+mapped peer buffers): every rank all-gathers the per-expert counts (NCCL, on the device),
+derives on the GPU where each of its rows lands, and one Triton kernel stores each row
+straight into its owner's receive buffer, already grouped by local expert. The experts get
+device offsets; the chunk sort and the host sync are gone.
+
+Layouts. A sender's rows come from the dispatcher's permute, sorted by global expert
+``g = owner * local_experts + e``. An owner's rows are expert-major: local expert ``e``,
+then source rank ``s``, then the sender's order. Combine sends each owner row back to the
+sender's position, so the sender's unpermute is megatron-core's.
+
+The owners' row count depends on the routing, so the received tensors have a static bound,
+``ep x tokens x min(top-k, local experts)`` rows (every token of every rank could pick this
+rank's experts): no allocation depends on device data, no host sync, graph-capturable.
+Rows past the received ones (the "tail") are zero in every tensor this exchange hands the
+experts (tokens, probs, output gradients); the grouped GEMMs stop at the last offset, and
+the weighted GLU (``weighted_glu``) writes zeros there, so the tail never reaches a result.
+
+Buffers: one symmetric buffer per (direction, rows, columns, dtype), shared by all layers.
+Each exchange is barrier -> store rows into the peers' buffers -> barrier -> copy out, so a
+buffer is free again once every rank has copied out of it; two exchanges must never run at
+once (megatron-core's EP overlap does: refused).
+
+Every EP rank must hold the same number of tokens (megatron-core's micro-batches do), and
+the EP group must be one node with peer access between its GPUs.
+"""
+
+import functools
+import importlib.util
+import logging
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.fields import log_once, patch_option
+
+logger = logging.getLogger(__name__)
+
+
+def exchange_config_errors(config) -> list:
+    """What in ``config`` contradicts ``moe_symmetric_exchange`` (static: checked at config
+    validation, before any GPU work)."""
+    if not patch_option(config, "moe_symmetric_exchange"):
+        return []
+    flag = "moe_symmetric_exchange=True (--moe-symmetric-exchange)"
+    errors = []
+    if config.moe_token_dispatcher_type != "alltoall":
+        errors.append(f"{flag} replaces the alltoall dispatcher's exchange: set "
+                      f"moe_token_dispatcher_type='alltoall', not {config.moe_token_dispatcher_type!r}.")
+    if not patch_option(config, "moe_device_tokens_per_expert"):
+        errors.append(f"{flag} hands the experts device token counts: also set "
+                      "moe_device_tokens_per_expert=True (--moe-device-tokens-per-expert).")
+    if (config.expert_tensor_parallel_size or 1) > 1:
+        errors.append(f"{flag} needs expert_tensor_parallel_size=1 (it does not split tokens over TP ranks).")
+    if config.moe_expert_capacity_factor is not None or config.moe_pad_expert_input_to_capacity:
+        errors.append(f"{flag} is for dropless MoE: unset moe_expert_capacity_factor and "
+                      "moe_pad_expert_input_to_capacity.")
+    if config.moe_router_padding_for_quantization:
+        errors.append(f"{flag} needs tokens x top-k rows per rank: unset moe_router_padding_for_quantization.")
+    if not config.moe_permute_fusion:
+        errors.append(f"{flag} needs the fused permute: set moe_permute_fusion=True (--moe-permute-fusion).")
+    if config.overlap_moe_expert_parallel_comm:
+        errors.append(f"{flag} runs one exchange at a time through shared buffers: unset "
+                      "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm).")
+    return errors
+
+
+def exchange_blocker(config, ep_size: int) -> Optional[str]:
+    """Why this process cannot run the symmetric exchange for ``config`` (the rest of the
+    table after ``exchange_config_errors``), or None."""
+    from megatron.moe_patches.device_splits import GroupedMMBackend
+    from megatron.moe_patches.expert_table import select_backend
+    from megatron.moe_patches.routed_expert_padding import padding_plan
+
+    if ep_size == 1:
+        return "expert parallelism is 1 (nothing to exchange)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not cap.triton_available():
+        return "Triton is not installed"
+    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+        return f"torch {torch.__version__} has no symmetric memory"
+    if padding_plan(config).dispatcher_pads:
+        return "the dispatcher pads each expert's rows for quantization (F1), which this exchange does not"
+    backend = select_backend(config)
+    if not issubclass(backend, GroupedMMBackend):
+        return f"the experts run the {backend.name} backend, which needs host split sizes (grouped_mm needed)"
+    return None
+
+
+def symmetric_exchange_for(config, ep_group, ep_size: int) -> Optional["SymmetricExchange"]:
+    """The exchange the alltoall dispatcher uses for ``config``, or None for NCCL (the
+    reason logged once)."""
+    if not patch_option(config, "moe_symmetric_exchange"):
+        return None
+    reason = exchange_blocker(config, ep_size)
+    if reason is not None:
+        if ep_size > 1:
+            log_once(logger, logging.WARNING,
+                     f"moe_symmetric_exchange: the expert-parallel exchange stays NCCL's all-to-all because {reason}")
+        return None
+    log_once(logger, logging.INFO, f"moe_symmetric_exchange: EP={ep_size} tokens go through symmetric memory")
+    return SymmetricExchange(ep_group, config.moe_router_topk)
+
+
+# --- where rows go --------------------------------------------------------------------------
+
+
+class RowChunks(NamedTuple):
+    """One direction's routing of rows, all on the device: local rows form consecutive
+    chunks (``ends_C``: inclusive-scan ends); chunk c goes to rank ``peer_C[c]``, starting at
+    row ``dest_C[c]`` of that rank's buffer. Contiguous int64 (the kernel indexes them)."""
+
+    ends_C: torch.Tensor
+    dest_C: torch.Tensor
+    peer_C: torch.Tensor
+
+    @classmethod
+    def of(cls, ends_C, dest_C, peer_C) -> "RowChunks":
+        return cls(*(t.to(torch.int64).contiguous() for t in (ends_C, dest_C, peer_C)))
+
+
+class ExchangePlan:
+    """Both directions' routing for one dispatch, from the EP group's per-expert counts.
+
+    ``counts_SE[s, g]``: rows rank s sends to global expert g. Owner p's buffer is
+    expert-major: ``starts[p][e, s]`` = rows of p's local experts before e, plus rows of
+    expert e from ranks before s.
+    """
+
+    def __init__(self, counts_SE: torch.Tensor, rank: int, rows_sent: int, rows_bound: int):
+        ep, experts = counts_SE.shape
+        local = experts // ep
+        device = counts_SE.device
+        # [owner p, (local expert e, source s)]: what each owner receives, in its layout.
+        received_PX = counts_SE.view(ep, ep, local).permute(1, 2, 0).reshape(ep, local * ep)
+        starts_PX = torch.cumsum(received_PX, dim=1) - received_PX
+        # Dispatch: this rank's chunks are its global experts g = p * local + e.
+        self.to_owners = RowChunks.of(
+            ends_C=torch.cumsum(counts_SE[rank], 0),
+            dest_C=starts_PX.view(ep, local, ep)[:, :, rank].reshape(experts),
+            peer_C=torch.arange(experts, device=device) // local,
+        )
+        # Combine: this rank's chunks are (e, s); each goes back to where s sent it from.
+        sent_starts_SE = torch.cumsum(counts_SE, dim=1) - counts_SE
+        self.to_sources = RowChunks.of(
+            ends_C=torch.cumsum(received_PX[rank], 0),
+            dest_C=sent_starts_SE[:, rank * local:(rank + 1) * local].t().reshape(local * ep),
+            peer_C=torch.arange(local * ep, device=device) % ep,
+        )
+        self.tokens_per_local_expert = received_PX[rank].view(local, ep).sum(dim=1)
+        self.rows_sent = rows_sent  # the sender's rows: tokens x top-k
+        self.rows_bound = rows_bound  # the owners' (received) tensors' row count
+
+
+def owner_rows_bound(ep: int, tokens: int, topk: int, local_experts: int) -> int:
+    """The most rows one rank can receive: each token of each rank sends at most
+    min(top-k, local experts) rows to one rank."""
+    return ep * tokens * min(topk, local_experts)
+
+
+# --- the exchange ---------------------------------------------------------------------------
+
+
+class _Peers(NamedTuple):
+    local: torch.Tensor  # this rank's buffer
+    bases: torch.Tensor  # [ep] int64: every rank's buffer address, mapped here
+    handle: object  # torch's symmetric-memory handle (its barrier)
+
+
+class SymmetricExchange:
+    """Rows to their owners and back through peer-mapped buffers (see the module text)."""
+
+    def __init__(self, ep_group, topk: int):
+        self.group = ep_group
+        self.topk = topk
+        self._buffers: Dict[Tuple, _Peers] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def plan(self, counts_E: torch.Tensor, tokens: int) -> ExchangePlan:
+        """Gather every rank's per-expert counts (NCCL all-gather, on the device) and route."""
+        import torch.distributed as dist
+
+        counts_SE = torch.empty((self.size, counts_E.numel()), dtype=torch.int64, device=counts_E.device)
+        dist.all_gather_into_tensor(counts_SE, counts_E.to(torch.int64).contiguous(), group=self.group)
+        local = counts_E.numel() // self.size
+        bound = owner_rows_bound(self.size, tokens, self.topk, local)
+        return ExchangePlan(counts_SE, self.rank, tokens * self.topk, bound)
+
+    def dispatch(self, plan: ExchangePlan, x_RH: torch.Tensor, probs_R: torch.Tensor):
+        """Sender rows (sorted by global expert) -> [bound, H] owner rows and probs."""
+        return _ToOwners.apply(self, plan, x_RH, probs_R)
+
+    def combine(self, plan: ExchangePlan, y_BH: torch.Tensor) -> torch.Tensor:
+        """Owner rows -> the sender's [tokens x top-k, H] rows, in its dispatch order."""
+        return _ToSources.apply(self, plan, y_BH)
+
+    # The two directions; each backward is the other.
+
+    def send_to_owners(self, plan: ExchangePlan, *tensors):
+        return self._send(plan.to_owners, plan.rows_bound, "owners", tensors, zero_tail=True,
+                          rows_used=plan.to_sources.ends_C[-1:])
+
+    def send_to_sources(self, plan: ExchangePlan, *tensors):
+        return self._send(plan.to_sources, plan.rows_sent, "sources", tensors, zero_tail=False, rows_used=None)
+
+    def _send(self, chunks: RowChunks, rows_out: int, direction: str, tensors, zero_tail: bool, rows_used):
+        tensors = [t.contiguous() for t in tensors]
+        peers = [self._peers(direction, rows_out, t) for t in tensors]
+        peers[0].handle.barrier(channel=0)  # every rank has copied out of its buffers
+        for t, p in zip(tensors, peers):
+            push_rows(t, chunks, p.bases)
+        peers[0].handle.barrier(channel=0)  # every row has landed
+        outs = []
+        for t, p in zip(tensors, peers):
+            if zero_tail:
+                outs.append(copy_rows_zero_tail(p.local, rows_used))
+            else:
+                outs.append(p.local.clone())
+        return outs
+
+    def _peers(self, direction: str, rows: int, like: torch.Tensor) -> _Peers:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        shape = (rows, *like.shape[1:])
+        key = (direction, shape, like.dtype)
+        peers = self._buffers.get(key)
+        if peers is None:
+            # An explicit device index: symmetric memory keys its state by device.
+            device = torch.device("cuda", torch.cuda.current_device())
+            local = symm_mem.empty(shape, dtype=like.dtype, device=device)
+            try:
+                _register_group(symm_mem, self.group.group_name)
+                handle = symm_mem.rendezvous(local, self.group.group_name)
+            except Exception as error:
+                raise RuntimeError(
+                    "moe_symmetric_exchange: the expert-parallel ranks could not map each other's "
+                    f"memory ({error}); they must share one NVLink node. Drop --moe-symmetric-exchange "
+                    "to exchange tokens with NCCL."
+                ) from error
+            bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+            peers = self._buffers[key] = _Peers(local, bases, handle)
+        return peers
+
+
+def _register_group(symm_mem, group_name: str) -> None:
+    """Older torch needs the group registered for symmetric memory first (newer torch
+    deprecates the call: nothing to do there)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group_name)
+
+
+class _ToOwners(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, exchange, plan, x_RH, probs_R):
+        ctx.exchange, ctx.plan = exchange, plan
+        x_BH, probs_B = exchange.send_to_owners(plan, x_RH, probs_R)
+        return x_BH, probs_B
+
+    @staticmethod
+    def backward(ctx, dx_BH, dprobs_B):
+        if dprobs_B is None:
+            dprobs_B = torch.zeros(dx_BH.shape[0], dtype=torch.float32, device=dx_BH.device)
+        dx_RH, dprobs_R = ctx.exchange.send_to_sources(ctx.plan, dx_BH, dprobs_B)
+        return None, None, dx_RH, dprobs_R
+
+
+class _ToSources(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, exchange, plan, y_BH):
+        ctx.exchange, ctx.plan = exchange, plan
+        (y_RH,) = exchange.send_to_sources(plan, y_BH)
+        return y_RH
+
+    @staticmethod
+    def backward(ctx, dy_RH):
+        (dy_BH,) = ctx.exchange.send_to_owners(ctx.plan, dy_RH)
+        return None, None, dy_BH
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+
+def push_rows(x_RC: torch.Tensor, chunks: RowChunks, bases_P: torch.Tensor) -> None:
+    """Store row r of ``x_RC`` (a 1-D tensor is one column) at row ``dest[c] + r - start[c]``
+    of rank ``peer[c]``'s buffer (address ``bases_P[peer]``), c the chunk holding r. Rows
+    past the last chunk are not sent."""
+    rows = x_RC.shape[0]
+    cols = x_RC[0].numel() if rows else 0
+    if not rows or not cols:
+        return
+    kernel = _triton_kernels()[0]
+    chunks_count = chunks.ends_C.numel()
+    block = min(4096, triton_next_pow2(cols))
+    row_bytes = cols * x_RC.element_size()
+    kernel[(rows,)](x_RC, chunks.ends_C, chunks.dest_C, chunks.peer_C, bases_P, cols, row_bytes,
+                    ALIGNED=row_bytes % 16 == 0, CHUNKS=chunks_count, CHUNKS_P2=triton_next_pow2(chunks_count),
+                    BLOCK=block, num_warps=4 if block >= 1024 else 1)
+
+
+def copy_rows_zero_tail(buffer_BC: torch.Tensor, rows_used: torch.Tensor) -> torch.Tensor:
+    """A copy of ``buffer_BC`` with the rows from ``rows_used`` (a 1-element device tensor) on
+    zeroed: the rows past the received ones are whatever an earlier exchange left."""
+    out = torch.empty_like(buffer_BC)
+    rows = buffer_BC.shape[0]
+    cols = buffer_BC[0].numel() if rows else 0
+    if rows and cols:
+        block = min(4096, triton_next_pow2(cols))
+        _triton_kernels()[1][(rows,)](buffer_BC, out, rows_used, cols, BLOCK=block,
+                                      num_warps=4 if block >= 1024 else 1)
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _triton_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def push_rows_kernel(x_ptr, ends_ptr, dest_ptr, peer_ptr, bases_ptr, cols, row_bytes, ALIGNED: tl.constexpr,
+                         CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        if row < tl.load(ends_ptr + CHUNKS - 1):
+            c = tl.arange(0, CHUNKS_P2)
+            ends = tl.load(ends_ptr + c, mask=c < CHUNKS, other=0)
+            # chunk = how many chunks end at or before this row (ends are inclusive scans)
+            chunk = tl.sum(((ends <= row) & (c < CHUNKS)).to(tl.int32), axis=0)
+            start = tl.load(ends_ptr + chunk - 1, mask=chunk > 0, other=0)
+            dest_row = tl.load(dest_ptr + chunk) + row - start
+            peer = tl.load(peer_ptr + chunk)
+            # The peer's row address as an integer: its alignment (16 B rows) lets the stores
+            # over NVLink go out 16 B at a time.
+            address = tl.load(bases_ptr + peer) + dest_row.to(tl.int64) * row_bytes
+            if ALIGNED:
+                address = tl.multiple_of(address, 16)
+            out_row = address.to(tl.pointer_type(x_ptr.dtype.element_ty))
+            for col0 in range(0, cols, BLOCK):
+                col = col0 + tl.arange(0, BLOCK)
+                inside = col < cols
+                values = tl.load(x_ptr + row.to(tl.int64) * cols + col, mask=inside)
+                tl.store(out_row + col, values, mask=inside)
+
+    @triton.jit
+    def copy_zero_tail_kernel(src_ptr, out_ptr, used_ptr, cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        keep = row < tl.load(used_ptr)
+        for col0 in range(0, cols, BLOCK):
+            col = col0 + tl.arange(0, BLOCK)
+            inside = col < cols
+            at = row.to(tl.int64) * cols + col
+            values = tl.load(src_ptr + at, mask=inside & keep, other=0)
+            tl.store(out_ptr + at, values, mask=inside)
+
+    return push_rows_kernel, copy_zero_tail_kernel

@@ -1,0 +1,134 @@
+"""F12 on the CPU: the routing tables of the symmetric exchange against a row-by-row
+reference, the config rules, and the fallback to NCCL. The kernels and the EP=2 numerics
+run on the GPU (tests/gpu/test_symmetric_exchange.py)."""
+
+import bisect
+import logging
+
+import pytest
+import torch
+
+from megatron.moe_patches.symmetric_exchange import (
+    ExchangePlan,
+    exchange_config_errors,
+    owner_rows_bound,
+    symmetric_exchange_for,
+)
+
+
+def _random_counts(ep, local, seed, empty_rank=None):
+    generator = torch.Generator().manual_seed(seed)
+    counts_SE = torch.randint(0, 5, (ep, ep * local), generator=generator)
+    counts_SE[:, 0] = 0  # an expert nobody sends to
+    if empty_rank is not None:  # a rank whose experts receive nothing
+        counts_SE[:, empty_rank * local:(empty_rank + 1) * local] = 0
+    return counts_SE
+
+
+def _send(chunks, rows):
+    """Row-by-row: where each local row goes, as the push kernel must place it."""
+    ends = chunks.ends_C.tolist()
+    placed = []
+    for row in range(rows):
+        chunk = bisect.bisect_right(ends, row)
+        if chunk == len(ends):
+            break  # past the last chunk: not sent
+        start = ends[chunk - 1] if chunk else 0
+        placed.append((int(chunks.peer_C[chunk]), int(chunks.dest_C[chunk]) + row - start))
+    return placed
+
+
+@pytest.mark.parametrize("ep,local,empty_rank", [(2, 3, None), (2, 1, 1), (3, 2, 0), (4, 5, 2)])
+def test_rows_land_grouped_by_local_expert_and_come_back(ep, local, empty_rank):
+    counts_SE = _random_counts(ep, local, seed=ep * 10 + local, empty_rank=empty_rank)
+    plans = [ExchangePlan(counts_SE, rank, int(counts_SE[rank].sum()), 10**6) for rank in range(ep)]
+    # Sender s's rows, sorted by global expert, labelled (s, g, i).
+    sent = {s: [(s, g, i) for g in range(ep * local) for i in range(int(counts_SE[s, g]))] for s in range(ep)}
+    received = {p: {} for p in range(ep)}
+    for s in range(ep):
+        for label, (peer, dest) in zip(sent[s], _send(plans[s].to_owners, len(sent[s]))):
+            assert dest not in received[peer], "two rows stored at one place"
+            received[peer][dest] = label
+    for p in range(ep):
+        # Expert-major: local expert e, then source s, then the sender's order.
+        expected = [(s, p * local + e, i) for e in range(local) for s in range(ep)
+                    for i in range(int(counts_SE[s, p * local + e]))]
+        assert [received[p][row] for row in range(len(received[p]))] == expected
+        assert plans[p].tokens_per_local_expert.tolist() == [
+            int(counts_SE[:, p * local + e].sum()) for e in range(local)]
+    # Combine: each owner row returns to the row its sender sent it from.
+    returned = {s: {} for s in range(ep)}
+    for p in range(ep):
+        rows = [received[p][row] for row in range(len(received[p]))]
+        for label, (peer, dest) in zip(rows, _send(plans[p].to_sources, len(rows))):
+            assert peer == label[0]
+            returned[peer][dest] = label
+    for s in range(ep):
+        assert [returned[s][row] for row in range(len(sent[s]))] == sent[s]
+    # The kernel walks the tables as flat int64 arrays.
+    for plan in plans:
+        for table in (*plan.to_owners, *plan.to_sources):
+            assert table.is_contiguous() and table.dtype == torch.int64
+
+
+def test_rows_past_the_last_chunk_stay_home():
+    counts_SE = torch.tensor([[1, 2], [0, 1]])
+    plan = ExchangePlan(counts_SE, 0, 3, 10)
+    assert len(_send(plan.to_owners, 10)) == 3  # the kernel skips rows from ends[-1] on
+
+
+def test_owner_bound_covers_every_token_choosing_this_rank():
+    assert owner_rows_bound(ep=2, tokens=8, topk=8, local_experts=64) == 2 * 8 * 8
+    assert owner_rows_bound(ep=2, tokens=8, topk=8, local_experts=4) == 2 * 8 * 4  # <= 4 distinct experts here
+
+
+def _config(**overrides):
+    from megatron.moe_patches.testing.layer_harness import SHAPES, moe_config_kwargs
+
+    kwargs = moe_config_kwargs(SHAPES["qwen3-30b-a3b"], moe_device_tokens_per_expert=True,
+                               moe_symmetric_exchange=True)
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.mark.parametrize("overrides,names", [
+    ({}, []),
+    ({"moe_token_dispatcher_type": "allgather"}, ["moe_token_dispatcher_type='alltoall'"]),
+    ({"moe_device_tokens_per_expert": False}, ["--moe-device-tokens-per-expert"]),
+    ({"moe_expert_capacity_factor": 1.0}, ["moe_expert_capacity_factor"]),
+    ({"moe_permute_fusion": False}, ["--moe-permute-fusion"]),
+    ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
+])
+def test_config_rules_name_the_flag_and_the_fix(overrides, names):
+    import types
+
+    defaults = dict(expert_tensor_parallel_size=1, moe_expert_capacity_factor=None,
+                    moe_pad_expert_input_to_capacity=False, moe_router_padding_for_quantization=False,
+                    overlap_moe_expert_parallel_comm=False)
+    config = types.SimpleNamespace(**{**defaults, **_config(), **overrides})
+    errors = exchange_config_errors(config)
+    assert len(errors) == len(names)
+    for error, name in zip(errors, names):
+        assert "--moe-symmetric-exchange" in error and name in error
+
+
+def test_patched_config_refuses_a_contradiction_before_any_gpu_work(moe_config):
+    with pytest.raises(ValueError, match="moe_symmetric_exchange.*alltoall"):
+        moe_config(moe_token_dispatcher_type="allgather", moe_device_tokens_per_expert=True,
+                   moe_symmetric_exchange=True)
+    with pytest.raises(ValueError, match="moe_symmetric_exchange=True applies to MoE layers only"):
+        moe_config(num_moe_experts=None, moe_ffn_hidden_size=None, moe_grouped_gemm=False,
+                   moe_symmetric_exchange=True)
+
+
+def test_without_the_gpu_the_exchange_stays_nccl_and_says_why(moe_config, caplog):
+    import types
+
+    config = moe_config(moe_device_tokens_per_expert=True)
+    config.moe_symmetric_exchange = True
+    with caplog.at_level(logging.WARNING, logger="megatron.moe_patches.symmetric_exchange"):
+        assert symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=2) is None
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in caplog.text and "NCCL" in caplog.text
+    config.moe_symmetric_exchange = False
+    assert symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=2) is None
