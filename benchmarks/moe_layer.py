@@ -50,6 +50,9 @@ VARIANTS = {
                                     **GRAPHED},
     # F12: EP > 1 tokens through symmetric memory (no host sync, no chunk sort).
     "symmetric-exchange": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True},
+    # Experiment, not an offered configuration: F11 refuses graphs at EP > 1. moe_layer_ep.py
+    # builds every config with EP 1 fields on an EP=2 process group, so this capture runs there;
+    # its replays are not yet proven equal to eager at EP > 1.
     "symmetric-exchange-graph": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True, **GRAPHED},
     # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
     "op-fuser": {"use_transformer_engine_op_fuser": True},

@@ -1,12 +1,9 @@
-"""F11: the dropless MoE layer's forward and backward as CUDA graphs (EP = 1, or EP > 1
-through F12's symmetric exchange).
+"""F11: the dropless MoE layer's forward and backward as CUDA graphs (EP = 1).
 
 With ``moe_device_tokens_per_expert`` the layer never waits for the GPU at EP = 1: the
 router's counts stay on the device (F8), the alltoall/allgather dispatchers size every
 buffer from tokens x top-k (``dispatchers.py``), and the ``grouped_mm`` / ``fp8_grouped_mm``
-experts take device offsets. At EP > 1 the symmetric exchange (F12) keeps that true: its
-received tensors have a static bound and its split sizes never reach the host (its buffers
-are allocated in the warm-up runs, before the capture). Such a layer can be captured; ``graph_blocker`` says why
+experts take device offsets. Such a layer can be captured; ``graph_blocker`` says why
 not where it cannot (the one table validation and capture both read).
 
 megatron-core 0.16.1 refuses ``cuda_graph_scope=moe`` for dropless MoE; the patched
@@ -39,7 +36,6 @@ import torch
 from megatron.moe_patches.expert_table import backend_support, select_backend
 from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
-from megatron.moe_patches.symmetric_exchange import exchange_blocker
 
 GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
 
@@ -53,11 +49,9 @@ def graph_blocker(config) -> Optional[str]:
     if config.expert_model_parallel_size > 1:
         ep = f"--expert-model-parallel-size {config.expert_model_parallel_size}"
         if not patch_option(config, "moe_symmetric_exchange"):
-            return (f"{ep}: NCCL's all-to-all takes host split sizes; add --moe-symmetric-exchange (F12) "
-                    "or use EP 1")
-        reason = exchange_blocker(config, config.expert_model_parallel_size)
-        if reason is not None:
-            return f"{ep}: the symmetric exchange cannot run ({reason})"
+            return f"{ep}: the all-to-all's split sizes still go to the host; graphs need EP 1"
+        # F12's exchange is sync-free, but replays at EP > 1 are not yet proven equal to eager.
+        return f"{ep}: graphs of the MoE layer are offered at EP 1 only (with F12's exchange too, for now)"
     if config.tensor_model_parallel_size > 1 or (config.expert_tensor_parallel_size or 1) > 1:
         return "tensor parallelism > 1 (the dispatchers gather with host split sizes)"
     if config.pipeline_model_parallel_size > 1:
@@ -185,13 +179,10 @@ class MoELayerGraphs:
                     c.run_backward(out)
             for c in self.captured:
                 c.static_grad_out.zero_()
-                # thread_local: NCCL's watchdog thread (F12's count all-gather at EP > 1) keeps
-                # querying its events while this thread captures.
-                with torch.cuda.graph(c.fwd_graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
-                        context():
+                with torch.cuda.graph(c.fwd_graph, pool=pool, stream=stream), context():
                     c.static_out = c.run_forward()
             for c in reversed(self.captured):
-                with torch.cuda.graph(c.bwd_graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                with torch.cuda.graph(c.bwd_graph, pool=pool, stream=stream):
                     c.static_grad_x, c.static_grad_params = c.run_backward(c.static_out)
         torch.cuda.current_stream().wait_stream(stream)
         for layer, saved in zip(self.layers, buffers):

@@ -4,6 +4,7 @@ run on the GPU (tests/gpu/test_symmetric_exchange.py)."""
 
 import bisect
 import logging
+import types
 
 import pytest
 import torch
@@ -100,8 +101,6 @@ def _config(**overrides):
     ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
 ])
 def test_config_rules_name_the_flag_and_the_fix(overrides, names):
-    import types
-
     defaults = dict(expert_tensor_parallel_size=1, moe_expert_capacity_factor=None,
                     moe_pad_expert_input_to_capacity=False, moe_router_padding_for_quantization=False,
                     overlap_moe_expert_parallel_comm=False)
@@ -122,8 +121,6 @@ def test_patched_config_refuses_a_contradiction_before_any_gpu_work(moe_config):
 
 
 def test_without_the_gpu_the_exchange_stays_nccl_and_says_why(moe_config, caplog):
-    import types
-
     config = moe_config(moe_device_tokens_per_expert=True)
     config.moe_symmetric_exchange = True
     with caplog.at_level(logging.WARNING, logger="megatron.moe_patches.symmetric_exchange"):
@@ -132,3 +129,71 @@ def test_without_the_gpu_the_exchange_stays_nccl_and_says_why(moe_config, caplog
         assert "no CUDA device" in caplog.text and "NCCL" in caplog.text
     config.moe_symmetric_exchange = False
     assert symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=2) is None
+
+
+class _FakeExchange:
+    """Records what the dispatcher hands the exchange (wiring only; the kernels are GPU-tested)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def plan(self, counts_E, tokens):
+        self.calls.append(("plan", counts_E.tolist(), tokens))
+        return types.SimpleNamespace(tokens_per_local_expert=torch.tensor([5, 7]))
+
+    def dispatch(self, plan, x, probs):
+        self.calls.append(("dispatch", plan, x.shape[0]))
+        return x * 2, probs
+
+    def combine(self, plan, y):
+        self.calls.append(("combine", plan, y.shape[0]))
+        return y + 1
+
+
+def test_dispatcher_routes_through_the_exchange_and_never_asks_the_host(moe_config):
+    from megatron.moe_patches.dispatchers import PatchedAlltoAllTokenDispatcher
+
+    config = moe_config(moe_device_tokens_per_expert=True, moe_router_topk=2)
+    dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)  # no __init__: it needs CUDA streams
+    dispatcher.config, dispatcher.exchange, dispatcher.skips_chunk_sort = config, _FakeExchange(), True
+    dispatcher.shared_experts, dispatcher.device_splits, dispatcher.pad_align = None, True, None
+    routing_map = torch.zeros(6, 8, dtype=torch.bool)
+    routing_map[torch.arange(6), torch.arange(6) % 8] = True
+    routing_map[torch.arange(6), 7] = True
+
+    tokens_per_expert = dispatcher.preprocess(routing_map)
+    assert tokens_per_expert.tolist() == [5, 7] and dispatcher.num_out_tokens == 12
+    assert dispatcher.exchange.calls[0] == ("plan", routing_map.sum(0).tolist(), 6)
+    # No split size is copied to the host at any sync point.
+    for point in ("before_permutation_1", "before_ep_alltoall", "before_permutation_2", "before_finish"):
+        assert dispatcher._maybe_dtoh_and_synchronize(point, tokens_per_expert) is tokens_per_expert
+
+    plan = dispatcher.exchange_plan
+    x, probs = torch.ones(12, 4), torch.full((12,), 0.5)
+    received, received_probs = dispatcher.token_dispatch(x, probs)
+    assert torch.equal(received, x * 2) and dispatcher.exchange.calls[1] == ("dispatch", plan, 12)
+    dispatcher.tokens_per_expert = tokens_per_expert
+    out, counts, out_probs = dispatcher.dispatch_postprocess(received, received_probs)
+    assert out is received and counts is tokens_per_expert and out_probs is received_probs  # no chunk sort
+    assert dispatcher.combine_preprocess(out) is out
+    assert torch.equal(dispatcher.token_combine(out), out + 1)
+    assert dispatcher.exchange.calls[2] == ("combine", plan, 12)
+
+
+def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
+    from megatron.moe_patches import moe_cuda_graph
+    from megatron.moe_patches.driver.training import describe_moe_layers
+
+    def layer(exchange, ep_size):
+        dispatcher = types.SimpleNamespace(exchange=exchange, ep_size=ep_size)
+        return types.SimpleNamespace(experts=types.SimpleNamespace(backend=types.SimpleNamespace(name="grouped_mm")),
+                                     token_dispatcher=dispatcher)
+
+    for layers, expected in (
+        ([layer(object(), 2)] * 2, "2 MoE layers | experts: grouped_mm | EP 2 exchange: symmetric memory"),
+        ([layer(None, 2)], "EP 2 exchange: SimpleNamespace's own"),
+        ([layer(None, 1)], "EP 1 exchange: none (EP 1)"),
+        ([], ""),
+    ):
+        monkeypatch.setattr(moe_cuda_graph, "moe_layers", lambda gpt, layers=layers: layers)
+        assert expected in describe_moe_layers(None) if expected else describe_moe_layers(None) == ""
