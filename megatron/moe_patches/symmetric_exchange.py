@@ -16,7 +16,8 @@ sender's position, so the sender's unpermute is megatron-core's.
 
 The owners' row count depends on the routing, so the received tensors have a static bound,
 ``ep x tokens x min(top-k, local experts)`` rows (every token of every rank could pick this
-rank's experts): no allocation depends on device data, no host sync, graph-capturable.
+rank's experts): no allocation depends on device data and nothing waits for the host (what
+a CUDA graph needs; F11 does not capture at EP > 1 yet).
 Rows past the received ones (the "tail") are zero in every tensor this exchange hands the
 experts (tokens, probs, output gradients); the grouped GEMMs stop at the last offset, and
 the weighted GLU (``weighted_glu``) writes zeros there, so the tail never reaches a result.
@@ -211,26 +212,24 @@ class SymmetricExchange:
     # The two directions; each backward is the other.
 
     def send_to_owners(self, plan: ExchangePlan, *tensors):
-        return self._send(plan.to_owners, plan.rows_bound, "owners", tensors, zero_tail=True,
-                          rows_used=plan.to_sources.ends_C[-1:])
+        # This rank's received rows end where its owner-side chunks do.
+        return self._send(plan.to_owners, plan.rows_bound, "owners", tensors, rows_used=plan.to_sources.ends_C[-1:])
 
     def send_to_sources(self, plan: ExchangePlan, *tensors):
-        return self._send(plan.to_sources, plan.rows_sent, "sources", tensors, zero_tail=False, rows_used=None)
+        return self._send(plan.to_sources, plan.rows_sent, "sources", tensors)
 
-    def _send(self, chunks: RowChunks, rows_out: int, direction: str, tensors, zero_tail: bool, rows_used):
+    def _send(self, chunks: RowChunks, rows_out: int, direction: str, tensors, rows_used=None):
+        """Each tensor's rows to their places in the peers' ``rows_out``-row buffers; returns
+        this rank's buffers' copies (rows from ``rows_used`` on zeroed, when given)."""
         tensors = [t.contiguous() for t in tensors]
         peers = [self._peers(direction, rows_out, t) for t in tensors]
         peers[0].handle.barrier(channel=0)  # every rank has copied out of its buffers
         for t, p in zip(tensors, peers):
             push_rows(t, chunks, p.bases)
         peers[0].handle.barrier(channel=0)  # every row has landed
-        outs = []
-        for t, p in zip(tensors, peers):
-            if zero_tail:
-                outs.append(copy_rows_zero_tail(p.local, rows_used))
-            else:
-                outs.append(p.local.clone())
-        return outs
+        if rows_used is None:
+            return [p.local.clone() for p in peers]
+        return [copy_rows_zero_tail(p.local, rows_used) for p in peers]
 
     def _peers(self, direction: str, rows: int, like: torch.Tensor) -> _Peers:
         import torch.distributed._symmetric_memory as symm_mem
