@@ -22,7 +22,8 @@ Rows past the received ones (the "tail") are zero in every tensor this exchange 
 experts (tokens, probs, output gradients); the grouped GEMMs stop at the last offset, and
 the weighted GLU (``weighted_glu``) writes zeros there, so the tail never reaches a result.
 
-Buffers: one symmetric buffer per (direction, rows, columns, dtype), shared by all layers.
+Buffers: one symmetric buffer per (group, direction, rows, columns, dtype), shared by all
+layers (``_BUFFERS``).
 Each exchange is barrier -> store rows into the peers' buffers -> barrier -> copy out, so a
 buffer is free again once every rank has copied out of it; two exchanges must never run at
 once (megatron-core's EP overlap does: refused).
@@ -175,13 +176,17 @@ class _Peers(NamedTuple):
     handle: object  # torch's symmetric-memory handle (its barrier)
 
 
+# Every exchange of a process group (one per MoE layer) uses the same buffers: exchanges run
+# one at a time, and each copies its result out before the next one's first barrier.
+_BUFFERS: Dict[Tuple, _Peers] = {}
+
+
 class SymmetricExchange:
     """Rows to their owners and back through peer-mapped buffers (see the module text)."""
 
     def __init__(self, ep_group, topk: int):
         self.group = ep_group
         self.topk = topk
-        self._buffers: Dict[Tuple, _Peers] = {}
 
     @property
     def rank(self) -> int:
@@ -232,27 +237,30 @@ class SymmetricExchange:
         return [copy_rows_zero_tail(p.local, rows_used) for p in peers]
 
     def _peers(self, direction: str, rows: int, like: torch.Tensor) -> _Peers:
-        import torch.distributed._symmetric_memory as symm_mem
-
         shape = (rows, *like.shape[1:])
-        key = (direction, shape, like.dtype)
-        peers = self._buffers.get(key)
-        if peers is None:
-            # An explicit device index: symmetric memory keys its state by device.
-            device = torch.device("cuda", torch.cuda.current_device())
-            local = symm_mem.empty(shape, dtype=like.dtype, device=device)
-            try:
-                _register_group(symm_mem, self.group.group_name)
-                handle = symm_mem.rendezvous(local, self.group.group_name)
-            except Exception as error:
-                raise RuntimeError(
-                    "moe_symmetric_exchange: the expert-parallel ranks could not map each other's "
-                    f"memory ({error}); they must share one NVLink node. Drop --moe-symmetric-exchange "
-                    "to exchange tokens with NCCL."
-                ) from error
-            bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-            peers = self._buffers[key] = _Peers(local, bases, handle)
-        return peers
+        # An explicit device index: symmetric memory keys its state by device.
+        device = torch.device("cuda", torch.cuda.current_device())
+        key = (self.group.group_name, device.index, direction, shape, like.dtype)
+        if key not in _BUFFERS:
+            _BUFFERS[key] = _allocate(self.group.group_name, shape, like.dtype, device)
+        return _BUFFERS[key]
+
+
+def _allocate(group_name: str, shape, dtype, device) -> _Peers:
+    """A symmetric buffer every rank of the group maps (a collective: all ranks call it)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    local = symm_mem.empty(shape, dtype=dtype, device=device)
+    try:
+        _register_group(symm_mem, group_name)
+        handle = symm_mem.rendezvous(local, group_name)
+    except Exception as error:
+        raise RuntimeError(
+            "moe_symmetric_exchange: the expert-parallel ranks could not map each other's "
+            f"memory ({error}); they must share one NVLink node. Drop --moe-symmetric-exchange "
+            "to exchange tokens with NCCL."
+        ) from error
+    return _Peers(local, torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device), handle)
 
 
 def _register_group(symm_mem, group_name: str) -> None:

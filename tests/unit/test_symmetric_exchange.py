@@ -197,3 +197,27 @@ def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
     ):
         monkeypatch.setattr(moe_cuda_graph, "moe_layers", lambda gpt, layers=layers: layers)
         assert expected in describe_moe_layers(None) if expected else describe_moe_layers(None) == ""
+
+
+def test_every_layer_of_a_group_shares_one_buffer_per_direction_and_shape(monkeypatch):
+    """One buffer set per EP group, not per MoE layer (a 48-layer model would hold 48)."""
+    from megatron.moe_patches import symmetric_exchange as sx
+
+    allocated = []
+
+    def allocate(group_name, shape, dtype, device):
+        allocated.append((group_name, shape, dtype))
+        return sx._Peers(torch.empty(shape, dtype=dtype), None, None)
+
+    monkeypatch.setattr(sx, "_BUFFERS", {})
+    monkeypatch.setattr(sx, "_allocate", allocate)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ep = types.SimpleNamespace(group_name="ep")
+    layers = [sx.SymmetricExchange(ep, topk=2) for _ in range(3)]
+    x = torch.empty(10, 4, dtype=torch.bfloat16)
+    first = [layer._peers("owners", 40, x) for layer in layers]
+    assert all(p is first[0] for p in first) and allocated == [("ep", (40, 4), torch.bfloat16)]
+    layers[0]._peers("sources", 10, x)  # the other direction
+    layers[1]._peers("owners", 40, torch.empty(10))  # the probs
+    sx.SymmetricExchange(types.SimpleNamespace(group_name="other"), topk=2)._peers("owners", 40, x)
+    assert len(allocated) == 4
