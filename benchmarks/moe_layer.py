@@ -50,9 +50,7 @@ VARIANTS = {
                                     **GRAPHED},
     # F12: EP > 1 tokens through symmetric memory (no host sync, no chunk sort).
     "symmetric-exchange": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True},
-    # Experiment, not an offered configuration: F11 refuses graphs at EP > 1. moe_layer_ep.py
-    # builds every config with EP 1 fields on an EP=2 process group, so this capture runs there;
-    # its replays are not yet proven equal to eager at EP > 1.
+    # ... captured as CUDA graphs (F11 at EP > 1).
     "symmetric-exchange-graph": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True, **GRAPHED},
     # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
     "op-fuser": {"use_transformer_engine_op_fuser": True},
@@ -99,9 +97,10 @@ def exchange_ms(layer, hidden, grad) -> float:
     return microseconds / 1000
 
 
-def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_step=1, seed=0, exchange=False):
-    """Time one variant; returns (median ms, peak MiB, backend name, NCCL ms or None).
-    ``seed``: of this rank's input; ``exchange``: also profile one step's NCCL kernels."""
+def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_step=1, seed=0, ep=1):
+    """Time one variant; returns (median ms, peak MiB, backend name, exchange ms or None).
+    ``seed``: of this rank's input; ``ep`` > 1: the config's expert parallelism (the process
+    group must match), and one step's exchange kernels are profiled."""
     import megatron.core.transformer.transformer_config as tc_module
 
     overrides = VARIANTS[name]
@@ -109,7 +108,8 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
     if overrides is not None:
         apply()
     try:
-        config = tc_module.TransformerConfig(**moe_config_kwargs(shape, precision, **(overrides or {})))
+        config = tc_module.TransformerConfig(**moe_config_kwargs(shape, precision, expert_model_parallel_size=ep,
+                                                                      **(overrides or {})))
         layer = build_moe_layer(config)
         generator = torch.Generator(device="cuda").manual_seed(seed)
         hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -118,7 +118,7 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
             MoELayerGraphs([layer], hidden, context=lambda: fp8_context(config)).install()
         ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
         backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")
-        nccl_ms = exchange_ms(layer, hidden, grad) if exchange else None
+        nccl_ms = exchange_ms(layer, hidden, grad) if ep > 1 else None
     finally:
         revert()
         del layer

@@ -49,7 +49,7 @@ def main(argv=None):
         stock_ms = None
         for variant in variants:
             ms, peak, backend, nccl_ms = run_variant(
-                variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, exchange=True
+                variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, ep=ep
             )
             per_rank = gather((ms, peak, nccl_ms))
             slowest = max(r[0] for r in per_rank)

@@ -1,10 +1,13 @@
-"""F11: the dropless MoE layer's forward and backward as CUDA graphs (EP = 1).
+"""F11: the dropless MoE layer's forward and backward as CUDA graphs (EP = 1, or EP > 1
+through F12's symmetric exchange).
 
 With ``moe_device_tokens_per_expert`` the layer never waits for the GPU at EP = 1: the
 router's counts stay on the device (F8), the alltoall/allgather dispatchers size every
 buffer from tokens x top-k (``dispatchers.py``), and the ``grouped_mm`` / ``fp8_grouped_mm``
-experts take device offsets. Such a layer can be captured; ``graph_blocker`` says why
-not where it cannot (the one table validation and capture both read).
+experts take device offsets. At EP > 1 F12's exchange keeps that true: its received tensors
+have a static bound, its counts are all-gathered on the device, and its symmetric buffers
+are allocated in the warm-up runs, before the capture. Such a layer can be captured;
+``graph_blocker`` says why not where it cannot (the one table validation and capture both read).
 
 megatron-core 0.16.1 refuses ``cuda_graph_scope=moe`` for dropless MoE; the patched
 config accepts it when ``graph_blocker`` is silent and refuses it by name otherwise.
@@ -36,6 +39,7 @@ import torch
 from megatron.moe_patches.expert_table import backend_support, select_backend
 from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
+from megatron.moe_patches.symmetric_exchange import exchange_blocker
 
 GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
 
@@ -49,9 +53,11 @@ def graph_blocker(config) -> Optional[str]:
     if config.expert_model_parallel_size > 1:
         ep = f"--expert-model-parallel-size {config.expert_model_parallel_size}"
         if not patch_option(config, "moe_symmetric_exchange"):
-            return f"{ep}: the all-to-all's split sizes still go to the host; graphs need EP 1"
-        # F12's exchange is sync-free, but replays at EP > 1 are not yet proven equal to eager.
-        return f"{ep}: graphs of the MoE layer are offered at EP 1 only (with F12's exchange too, for now)"
+            return (f"{ep}: NCCL's all-to-all takes host split sizes; add --moe-symmetric-exchange (F12) "
+                    "or use EP 1")
+        reason = exchange_blocker(config, config.expert_model_parallel_size)
+        if reason is not None:
+            return f"{ep}: the symmetric exchange cannot run here ({reason})"
     if config.tensor_model_parallel_size > 1 or (config.expert_tensor_parallel_size or 1) > 1:
         return "tensor parallelism > 1 (the dispatchers gather with host split sizes)"
     if config.pipeline_model_parallel_size > 1:
@@ -177,12 +183,15 @@ class MoELayerGraphs:
                     with context():
                         out = c.run_forward()
                     c.run_backward(out)
+            # thread_local: other threads (NCCL's watchdog, with data parallelism) may query
+            # their events while this one captures.
+            capture = dict(pool=pool, stream=stream, capture_error_mode="thread_local")
             for c in self.captured:
                 c.static_grad_out.zero_()
-                with torch.cuda.graph(c.fwd_graph, pool=pool, stream=stream), context():
+                with torch.cuda.graph(c.fwd_graph, **capture), context():
                     c.static_out = c.run_forward()
             for c in reversed(self.captured):
-                with torch.cuda.graph(c.bwd_graph, pool=pool, stream=stream):
+                with torch.cuda.graph(c.bwd_graph, **capture):
                     c.static_grad_x, c.static_grad_params = c.run_backward(c.static_out)
         torch.cuda.current_stream().wait_stream(stream)
         for layer, saved in zip(self.layers, buffers):

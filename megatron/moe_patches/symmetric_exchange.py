@@ -4,7 +4,7 @@ megatron-core's alltoall dispatcher sends tokens with NCCL's ``all_to_all_single
 split sizes are host lists: every MoE layer waits for the router's counts to reach the
 host, and then sorts the received chunks by local expert. With ``moe_symmetric_exchange``
 the ranks of one NVLink node write each other's memory instead (PyTorch symmetric memory,
-mapped peer buffers): every rank all-gathers the per-expert counts (NCCL, on the device),
+mapped peer buffers): every rank stores its per-expert counts into every peer's buffer,
 derives on the GPU where each of its rows lands, and one Triton kernel stores each row
 straight into its owner's receive buffer, already grouped by local expert. The experts get
 device offsets; the chunk sort and the host sync are gone.
@@ -17,7 +17,7 @@ sender's position, so the sender's unpermute is megatron-core's.
 The owners' row count depends on the routing, so the received tensors have a static bound,
 ``ep x tokens x min(top-k, local experts)`` rows (every token of every rank could pick this
 rank's experts): no allocation depends on device data and nothing waits for the host (what
-a CUDA graph needs; F11 does not capture at EP > 1 yet).
+a CUDA graph needs: F11 captures the layer with this exchange inside).
 Rows past the received ones (the "tail") are zero in every tensor this exchange hands the
 experts (tokens, probs, output gradients); the grouped GEMMs stop at the last offset, and
 the weighted GLU (``weighted_glu``) writes zeros there, so the tail never reaches a result.
@@ -187,6 +187,7 @@ class SymmetricExchange:
     def __init__(self, ep_group, topk: int):
         self.group = ep_group
         self.topk = topk
+        self._counts_route: Optional[RowChunks] = None
 
     @property
     def rank(self) -> int:
@@ -197,14 +198,25 @@ class SymmetricExchange:
         return self.group.size()
 
     def plan(self, counts_E: torch.Tensor, tokens: int) -> ExchangePlan:
-        """Gather every rank's per-expert counts (NCCL all-gather, on the device) and route."""
-        import torch.distributed as dist
-
-        counts_SE = torch.empty((self.size, counts_E.numel()), dtype=torch.int64, device=counts_E.device)
-        dist.all_gather_into_tensor(counts_SE, counts_E.to(torch.int64).contiguous(), group=self.group)
+        """Gather every rank's per-expert counts (on the device) and route."""
         local = counts_E.numel() // self.size
         bound = owner_rows_bound(self.size, tokens, self.topk, local)
-        return ExchangePlan(counts_SE, self.rank, tokens * self.topk, bound)
+        return ExchangePlan(self.gather_counts(counts_E), self.rank, tokens * self.topk, bound)
+
+    def gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """[ep, experts]: row s is rank s's ``counts_E``. The same stores as the rows (one
+        copy of this rank's row per peer, landing at row ``rank``), not NCCL: a CUDA graph
+        that captured an NCCL collective keeps its communicator from being destroyed."""
+        copies_PE = counts_E.to(torch.int64).expand(self.size, -1)
+        (counts_SE,) = self._send(self._count_chunks(counts_E.device), self.size, "counts", [copies_PE])
+        return counts_SE
+
+    def _count_chunks(self, device) -> RowChunks:
+        if self._counts_route is None:  # made once, in the first (eager) call
+            peers = torch.arange(self.size, device=device)
+            self._counts_route = RowChunks.of(ends_C=peers + 1, dest_C=torch.full_like(peers, self.rank),
+                                              peer_C=peers)
+        return self._counts_route
 
     def dispatch(self, plan: ExchangePlan, x_RH: torch.Tensor, probs_R: torch.Tensor):
         """Sender rows (sorted by global expert) -> [bound, H] owner rows and probs."""

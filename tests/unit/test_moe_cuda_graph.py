@@ -73,6 +73,21 @@ def test_refused_by_name(overrides, reason):
     assert "drop moe from --cuda-graph-scope" in message
 
 
+def test_ep2_graphs_need_the_symmetric_exchange_and_its_runtime(monkeypatch):
+    import megatron.moe_patches.moe_cuda_graph as moe_cuda_graph
+
+    without = config(cuda_graph_impl="none", expert_model_parallel_size=2)
+    assert "add --moe-symmetric-exchange" in graph_blocker(without)
+    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: "no CUDA device" if ep == 2 else "?")
+    exchange = config(cuda_graph_impl="none", expert_model_parallel_size=2, moe_symmetric_exchange=True)
+    assert graph_blocker(exchange) == ("--expert-model-parallel-size 2: the symmetric exchange cannot run "
+                                       "here (no CUDA device)")
+    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: None)
+    assert graph_blocker(exchange) is None
+    graphed = config(expert_model_parallel_size=2, moe_symmetric_exchange=True)
+    assert graphed.cuda_graph_scope == [CudaGraphScope.moe]
+
+
 def test_other_scopes_and_drop_and_pad_stay_megatron_cores():
     # moe_router: megatron-core's own partial capture, accepted for dropless MoE as before
     c = config(cuda_graph_scope="moe_router", moe_device_tokens_per_expert=False)

@@ -72,6 +72,16 @@ def test_rows_land_grouped_by_local_expert_and_come_back(ep, local, empty_rank):
             assert table.is_contiguous() and table.dtype == torch.int64
 
 
+@pytest.mark.parametrize("ep,rank", [(2, 0), (2, 1), (4, 3)])
+def test_counts_go_to_every_peer_at_the_senders_row(ep, rank):
+    from megatron.moe_patches.symmetric_exchange import SymmetricExchange
+
+    group = types.SimpleNamespace(rank=lambda: rank, size=lambda: ep, group_name="ep")
+    route = SymmetricExchange(group, topk=2)._count_chunks(torch.device("cpu"))
+    # copy p of this rank's counts row -> peer p, row `rank` of its [ep, experts] buffer
+    assert _send(route, ep) == [(p, rank) for p in range(ep)]
+
+
 def test_rows_past_the_last_chunk_stay_home():
     counts_SE = torch.tensor([[1, 2], [0, 1]])
     plan = ExchangePlan(counts_SE, 0, 3, 10)
