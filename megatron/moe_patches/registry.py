@@ -246,8 +246,9 @@ SERIES: Tuple[Feature, ...] = (
     Feature(
         id="F11",
         title="CUDA-graph-safe dropless MoE layer",
-        changes="cuda_graph_scope=moe accepted for dropless MoE where graph_blocker allows it (EP 1, "
-        "alltoall/allgather, grouped_mm or fp8_grouped_mm experts); the layer's forward and backward "
+        changes="cuda_graph_scope=moe accepted for dropless MoE where graph_blocker allows it (EP 1 or "
+        "EP > 1 through F12's exchange, alltoall/allgather, grouped_mm or fp8_grouped_mm experts); the "
+        "layer's forward and backward "
         "captured as CUDA graphs with gradients of parameter aliases (MoELayerGraphs).",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#4071 (seed 002)", "NVIDIA/Megatron-LM#2690 (paged stashing, named by seed 002)"),
@@ -255,7 +256,8 @@ SERIES: Tuple[Feature, ...] = (
         te_probe=None,
         native=lambda: False,
         page="patches/F11-moe-cuda-graph.md",
-        test="tests/unit/test_moe_cuda_graph.py, tests/gpu/test_moe_cuda_graph.py",
+        test="tests/unit/test_moe_cuda_graph.py, tests/gpu/test_moe_cuda_graph.py, "
+        "tests/gpu/test_symmetric_exchange.py",
         module="megatron.moe_patches.moe_cuda_graph",
         installs=(),
         requires=("C0", "F3", "F8"),
