@@ -17,7 +17,9 @@ weights: the expert's scale per output column), so no rescaling pass is needed.
 - Weights are quantized once per optimizer step, in both layouts the GEMMs read (forward:
   [E, out, in]; dgrad: [E, in, out], written by the same tiled pass), and cached; the cache refreshes when an optimizer
   has stepped since (a global torch optimizer step hook) or a parameter was written in
-  place (its version counter), e.g. by a checkpoint load.
+  place (its version counter), e.g. by a checkpoint load. A refresh writes into the same
+  tensors, so F11's graphs keep reading the current copies: they refresh before a replay,
+  outside the graph (``refresh_weight_caches``).
 - fprop and dgrad run FP8 with fast accumulation. wgrad runs FP8 too (``fp8_wgrad``, the
   default; ``--no-fp8-wgrad`` computes it in bf16 from the saved bf16 input, which measured
   faster on the fine-grained shapes: benchmarks/README.md), as TE's recipe does,
@@ -76,20 +78,32 @@ def invalidate_weight_caches():
 
 
 class FP8WeightCache:
-    """One FC's weights in FP8, in the forward and the dgrad layout, with their scales."""
+    """One FC's weights in FP8, in the forward and the dgrad layout, with their scales.
+
+    A refresh writes into the same tensors: a CUDA graph that captured GEMMs reading them
+    (F11) reads the current copies after each refresh, which runs outside the graph."""
 
     def __init__(self):
         self._key = None
         self.w8_EOI = self.w8_EIO = self.scale_inv_E = None
         self.refreshes = 0  # how often the weights were quantized (tests read it)
 
+    @staticmethod
+    def _key_of(sources):
+        return _optimizer_steps, tuple((p.data_ptr(), p._version) for p in sources)
+
+    def stale(self, sources) -> bool:
+        """Whether an optimizer stepped, or a parameter of ``sources`` changed, since the
+        last quantization."""
+        return self._key_of(sources) != self._key
+
     def get(self, w_EOI: torch.Tensor, sources) -> "FP8WeightCache":
         """Quantize ``w_EOI`` unless the cached copy still matches ``sources`` (the
         parameters ``w_EOI`` was assembled from)."""
-        key = (_optimizer_steps, tuple((p.data_ptr(), p._version) for p in sources))
-        if key != self._key:
-            self.w8_EOI, self.w8_EIO, self.scale_inv_E = quantize_weights(w_EOI.detach())
-            self._key = key
+        if self.stale(sources):
+            into = None if self.w8_EOI is None else (self.w8_EOI, self.w8_EIO, self.scale_inv_E)
+            self.w8_EOI, self.w8_EIO, self.scale_inv_E = quantize_weights(w_EOI.detach(), into)
+            self._key = self._key_of(sources)
             self.refreshes += 1
         return self
 
@@ -173,9 +187,10 @@ class PaddedColumns:
         return qt_CP
 
 
-def quantize_weights(w_EOI: torch.Tensor):
+def quantize_weights(w_EOI: torch.Tensor, into=None):
     """(w8_EOI, w8_EIO, scale_inv_E): the weights in E4M3, one scale per expert, in the
-    forward layout and the dgrad layout (transposed per expert), written in one pass."""
+    forward layout and the dgrad layout (transposed per expert), written in one pass; into
+    the tensors ``into`` (an earlier result of the same shapes) when given."""
     experts, out_features, in_features = w_EOI.shape
     w_EOI = w_EOI.contiguous()
     if not w_EOI.is_cuda:
@@ -183,12 +198,20 @@ def quantize_weights(w_EOI: torch.Tensor):
         expert_R = torch.arange(experts, dtype=torch.int32).repeat_interleave(out_features)
         q_R, _, scale_inv_E, _ = quantize_per_expert(rows, expert_R, experts)
         w8_EOI = q_R.view(experts, out_features, in_features)
-        return w8_EOI, w8_EOI.transpose(1, 2).contiguous(), scale_inv_E
+        result = (w8_EOI, w8_EOI.transpose(1, 2).contiguous(), scale_inv_E)
+        if into is None:
+            return result
+        for target, value in zip(into, result):
+            target.copy_(value)
+        return into
     # One reduction per expert (exact: the max of |w| needs no rounding), then one tiled pass.
     amax_E = torch.linalg.vector_norm(w_EOI, float("inf"), dim=(1, 2)).float()
     scale_E, scale_inv_E = scales_from_amax(amax_E)
-    w8_EOI = torch.empty(w_EOI.shape, dtype=FP8_DTYPE, device=w_EOI.device)
-    w8_EIO = torch.empty((experts, in_features, out_features), dtype=FP8_DTYPE, device=w_EOI.device)
+    if into is None:
+        w8_EOI = torch.empty(w_EOI.shape, dtype=FP8_DTYPE, device=w_EOI.device)
+        w8_EIO = torch.empty((experts, in_features, out_features), dtype=FP8_DTYPE, device=w_EOI.device)
+    else:
+        w8_EOI, w8_EIO, scale_inv_E = into[0], into[1], into[2].copy_(scale_inv_E)
     if w_EOI.numel():
         *_, quantize_both_layouts_kernel = _triton_kernels()
         tile = 128  # measured on H100: 128 reaches the bandwidth floor where 64 is 1.2x off
@@ -368,6 +391,15 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         count_optimizer_steps()
         self._caches = {experts.linear_fc1: FP8WeightCache(), experts.linear_fc2: FP8WeightCache()}
         self._fp8_wgrad = experts.config.fp8_wgrad  # --no-fp8-wgrad: weight gradients in bf16
+
+    def refresh_weight_caches(self):
+        """Quantize the weights of each FC whose cache is stale (after an optimizer step);
+        a no-op otherwise. F11 calls it before replaying a graph, outside it."""
+        for linear, cache in self._caches.items():
+            sources = self._weight_sources(linear)
+            if cache.stale(sources):
+                with torch.no_grad():
+                    cache.get(self._grouped(linear), sources)
 
     def linear(self, linear, w_EOI, groups: RowGroups):
         cache = self._caches[linear].get(w_EOI, self._weight_sources(linear))

@@ -27,8 +27,9 @@ Rules of use (what a training loop with PP = 1 does): every call has the sample'
 each layer's forward and backward alternate as captured (forward of all layers, then
 their backwards in reverse order, per micro-batch); the output and input gradient are
 the graph's static buffers, valid until that layer's next replay. Under ``no_grad`` or
-with another shape the layer runs eagerly. FP8: the weights' FP8 copies are taken inside
-the forward graph, so each replay re-quantizes them (once per micro-batch, not per step).
+with another shape the layer runs eagerly. FP8: the graphs read the weights' cached FP8
+copies; before a replay the backend refreshes them in place when an optimizer has stepped
+(outside the graph: once per step, not per micro-batch).
 """
 
 import contextlib
@@ -38,7 +39,6 @@ import torch
 
 from megatron.moe_patches.expert_table import backend_support, select_backend
 from megatron.moe_patches.fields import patch_option
-from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
 from megatron.moe_patches.symmetric_exchange import exchange_blocker
 
 GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
@@ -118,6 +118,10 @@ class _Captured:
         self.static_grad_x = None
         self.static_grad_params = ()
         self.replays = 0  # forward replays since the capture
+        # Work the graphs leave to the host before each replay: the FP8 backend's weight
+        # copies (quantized once per optimizer step, outside the graph).
+        backend = getattr(layer.experts, "backend", None)
+        self.before_replay = getattr(backend, "refresh_weight_caches", None) or (lambda: None)
 
     def run_forward(self):
         aliases = dict(zip(self.names, self.aliases))
@@ -132,6 +136,7 @@ class _Captured:
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, captured, x_TBH, *params):
+        captured.before_replay()
         captured.static_x.copy_(x_TBH)
         captured.fwd_graph.replay()
         ctx.captured = captured
@@ -168,7 +173,6 @@ class MoELayerGraphs:
         # Warm-up and capture run the layers: their buffers (e.g. the router's token counts
         # for expert-bias balancing) must not keep what those runs added.
         buffers = [{n: b.clone() for n, b in layer.named_buffers()} for layer in self.layers]
-        invalidate_weight_caches()  # FP8 weight copies are made inside the forward graphs
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -176,7 +180,8 @@ class MoELayerGraphs:
             for c in self.captured:
                 c.aliases = [p.detach().requires_grad_(True) for p in c.params]
                 c.static_grad_out = torch.empty(self.shape, dtype=self.dtype, device=sample_TBH.device)
-            # Warm-up on the capture stream: lazy initialisations and autotuning happen here.
+            # Warm-up on the capture stream: lazy initialisations and autotuning happen here,
+            # and the FP8 weight copies are made (the capture finds them current).
             for _ in range(warmup):
                 for c in self.captured:
                     c.static_grad_out.normal_()

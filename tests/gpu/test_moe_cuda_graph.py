@@ -1,5 +1,6 @@
 """F11 on the GPU: the dropless MoE layer captured as CUDA graphs (forward + backward)
-replays exactly what the eager layer computes, for new inputs too.
+replays exactly what the eager layer computes, for new inputs too, and under FP8 after an
+optimizer step (the weight copies refreshed outside the graphs, not in every replay).
 
 Each case runs in its own process: a failed capture leaves the CUDA RNG in capture state,
 which would poison every later case of the session."""
@@ -78,6 +79,26 @@ def worker(case, out_path):
     replay_a, replay_b, replay_a2 = step(*a), step(*b), step(*a)
     graphs.uninstall()
     eager_b2 = step(*b)  # the eager layer is unchanged by the capture
+    after_step = {}
+    if precision == "fp8":
+        # An optimizer step between replays: the FP8 weight copies are requantized once,
+        # before the next replay and outside the graphs; later replays requantize nothing.
+        torch.optim.SGD(layer.parameters(), lr=0.5).step()  # with eager_b2's gradients
+        graphs.install()
+        replay_c = step(*a)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step(*a)
+            torch.cuda.synchronize()
+        graphs.uninstall()
+        eager_c = step(*a)
+        after_step = {
+            "replay_after_step": compare(eager_c, replay_c),
+            "weights_changed": not torch.equal(eager_c["output"], eager_a["output"]),
+            "weight_quantizations_in_replay": sum(
+                e.count for e in prof.key_averages() if "quantize_both_layouts" in e.key),
+            "kernels_in_replay": sum(e.count for e in prof.key_averages()
+                                     if str(getattr(e, "device_type", "")).endswith("CUDA")),
+        }
     idle = int((torch.zeros(experts, device="cuda").index_add_(
         0, torch.topk(a[0].view(tokens, -1).float() @ layer.router.weight.float().t(), topk).indices.flatten(),
         torch.ones(tokens * topk, device="cuda")) == 0).sum().item())
@@ -92,6 +113,7 @@ def worker(case, out_path):
         "replay_a_again": compare(eager_a, replay_a2),
         "eager_after_capture": compare(eager_b, eager_b2),
         "param_grads": sum(k.startswith("grad:") for k in eager_a),
+        **after_step,
     }
     Path(out_path).write_text(json.dumps(report))
 
@@ -118,6 +140,9 @@ def test_replay_is_bitwise_eager(case, background):
         assert report[key]["bitwise"], (key, report[key])
     if "idle-experts" in case:
         assert report["idle_experts_a"] > 0
+    if "fp8" in case:
+        assert report["weights_changed"] and report["replay_after_step"]["bitwise"], report
+        assert report["kernels_in_replay"] > 0 and report["weight_quantizations_in_replay"] == 0, report
 
 
 if __name__ == "__main__":

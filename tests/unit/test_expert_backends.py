@@ -331,3 +331,25 @@ def test_grouped_mm_padded_rows_change_nothing(bias):
     torch.testing.assert_close(x_pad.grad[rows], x.grad, rtol=0, atol=0)
     for got, want in zip((p.grad for p in params), grads):  # zero rows add nothing (K order may move)
         assert (got.float() - want.float()).abs().max() <= 2.0**-7 * want.float().abs().max()
+
+
+def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
+    """What F11 calls before each replay: a no-op until an optimizer steps; then the FP8
+    copies of each FC are requantized into the tensors the captured GEMMs read."""
+    from megatron.moe_patches import fp8_grouped_mm as fp8
+
+    owner = experts_shell(cfg())
+    backend = fp8.FP8GroupedMMBackend(owner)
+    caches = [backend._caches[owner.linear_fc1], backend._caches[owner.linear_fc2]]
+    backend.refresh_weight_caches()
+    held = [(c.w8_EOI, c.scale_inv_E) for c in caches]
+    backend.refresh_weight_caches()
+    assert [c.refreshes for c in caches] == [1, 1]
+    with torch.no_grad():
+        owner.linear_fc2.weight1.mul_(4)  # what an optimizer step changes
+    fp8.invalidate_weight_caches()
+    backend.refresh_weight_caches()
+    assert [c.refreshes for c in caches] == [2, 2]
+    assert all(c.w8_EOI is w and c.scale_inv_E is s for c, (w, s) in zip(caches, held))
+    w8_EOI, _, scale_inv_E = fp8.quantize_weights(backend._grouped(owner.linear_fc2).detach())
+    assert torch.equal(caches[1].w8_EOI.float(), w8_EOI.float()) and torch.equal(caches[1].scale_inv_E, scale_inv_E)

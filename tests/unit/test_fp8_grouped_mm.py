@@ -106,6 +106,30 @@ def test_weight_cache_refreshes_only_when_the_weights_may_have_changed():
     assert cache.refreshes == 3
 
 
+def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
+    """F11's graphs captured GEMMs that read the cached copies: a refresh must land there."""
+    params = grouped_params()
+    cache = fp8.FP8WeightCache()
+    cache.get(torch.stack([p.detach() for p in params]), params)
+    held = (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)
+    pointers = [t.data_ptr() for t in held]
+    with torch.no_grad():
+        params[2].mul_(-3)
+    w_EOI = torch.stack([p.detach() for p in params])
+    assert cache.stale(params)
+    cache.get(w_EOI, params)
+    assert not cache.stale(params) and cache.refreshes == 2
+    assert all(a is b for a, b in zip(held, (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)))
+    assert [t.data_ptr() for t in held] == pointers
+    rows = w_EOI.reshape(-1, w_EOI.shape[-1])
+    expert_R = torch.arange(3).repeat_interleave(w_EOI.shape[1])
+    deq_ref, scale_inv_ref = reference_quantize(rows, expert_R, 3)
+    deq = cache.w8_EOI.double() * cache.scale_inv_E.double()[:, None, None]
+    torch.testing.assert_close(cache.scale_inv_E.double(), scale_inv_ref, rtol=2.0**-23, atol=0)
+    torch.testing.assert_close(deq.reshape(rows.shape), deq_ref, rtol=1e-6, atol=0)
+    assert torch.equal(cache.w8_EIO.float(), cache.w8_EOI.transpose(1, 2).float())
+
+
 def test_an_optimizer_step_refreshes_the_cache_even_through_data():
     fp8.count_optimizer_steps()
     params = grouped_params()

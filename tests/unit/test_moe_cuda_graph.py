@@ -100,6 +100,21 @@ def test_other_scopes_and_drop_and_pad_stay_megatron_cores():
                moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 
 
+def test_a_replay_lets_the_backend_refresh_its_weight_copies_first():
+    """Wiring: the host work a graph leaves (FP8 weight copies after an optimizer step) runs
+    before the forward graph replays, on the same stream (the replay reads its result)."""
+    from megatron.moe_patches.moe_cuda_graph import _Replay
+
+    calls = []
+    captured = types.SimpleNamespace(
+        before_replay=lambda: calls.append("refresh"),
+        fwd_graph=types.SimpleNamespace(replay=lambda: calls.append("replay")),
+        static_x=torch.zeros(2, 3), static_out=torch.ones(2, 3))
+    out = _Replay.apply(captured, torch.full((2, 3), 5.0), torch.zeros(1, requires_grad=True))
+    assert calls == ["refresh", "replay"] and torch.equal(captured.static_x, torch.full((2, 3), 5.0))
+    assert torch.equal(out, torch.ones(2, 3))
+
+
 def test_scope_names():
     assert scope_names("moe,attn") == ["moe", "attn"]
     assert scope_names([CudaGraphScope.moe, "attn"]) == ["moe", "attn"]
