@@ -263,6 +263,11 @@ def _allocate(group_name: str, shape, dtype, device) -> _Peers:
     import torch.distributed._symmetric_memory as symm_mem
 
     local = symm_mem.empty(shape, dtype=dtype, device=device)
+    # torch's allocator (2.11 and earlier) zeroes the new block, barrier signal pad included,
+    # with a memset the host does not wait for. A peer that maps the buffer and signals before
+    # that memset has run loses its signal, and the barrier waiting for it never ends. The
+    # rendezvous is what hands the buffer to the peers: finish the memset before it.
+    torch.cuda.synchronize(device)
     try:
         _register_group(symm_mem, group_name)
         handle = symm_mem.rendezvous(local, group_name)

@@ -231,3 +231,24 @@ def test_every_layer_of_a_group_shares_one_buffer_per_direction_and_shape(monkey
     layers[1]._peers("owners", 40, torch.empty(10))  # the probs
     sx.SymmetricExchange(types.SimpleNamespace(group_name="other"), topk=2)._peers("owners", 40, x)
     assert len(allocated) == 4
+
+
+def test_a_new_buffer_is_zeroed_before_the_peers_can_map_it(monkeypatch):
+    """torch zeroes a symmetric block (its barrier signal pad included) with a memset the host
+    does not wait for; the device must be drained before the rendezvous exposes the block,
+    or a peer's first signal can be overwritten and its barrier never ends."""
+    import sys
+
+    from megatron.moe_patches import symmetric_exchange as sx
+
+    calls = []
+    fake = types.ModuleType("torch.distributed._symmetric_memory")
+    fake.empty = lambda shape, dtype, device: calls.append("empty") or torch.zeros(shape, dtype=dtype)
+    fake.enable_symm_mem_for_group = lambda name: calls.append("register")
+    fake.rendezvous = lambda tensor, name: calls.append("rendezvous") or types.SimpleNamespace(buffer_ptrs=[1, 2])
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", fake)
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", fake, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    peers = sx._allocate("ep", (4, 2), torch.bfloat16, torch.device("cpu"))
+    assert calls.index("empty") < calls.index("synchronize") < calls.index("rendezvous"), calls
+    assert peers.bases.tolist() == [1, 2]
