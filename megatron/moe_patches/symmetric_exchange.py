@@ -23,9 +23,12 @@ experts (tokens, probs, output gradients); the grouped GEMMs stop at the last of
 the weighted GLU (``weighted_glu``) writes zeros there, so the tail never reaches a result.
 
 Buffers: one symmetric buffer per (group, direction, rows, columns, dtype), shared by all
-layers (``_BUFFERS``).
-Each exchange is barrier -> store rows into the peers' buffers -> barrier -> copy out, so a
-buffer is free again once every rank has copied out of it; two exchanges must never run at
+layers (``_BUFFERS``). Each exchange is barrier -> store rows into the peers' buffers ->
+barrier -> hand out. The owners' rows are copied out (the experts save them for the backward,
+and the copy zeroes the tail); the other directions hand out the buffer itself, read once by
+the next operation on this rank's stream (the unpermute, the permute's backward, the routing
+math), which therefore runs before this rank's next exchange through that buffer, whose
+first barrier every peer waits for before storing into it. Two exchanges must never run at
 once (megatron-core's EP overlap does: refused).
 
 Every EP rank must hold the same number of tokens (megatron-core's micro-batches do), and
@@ -237,15 +240,16 @@ class SymmetricExchange:
 
     def _send(self, chunks: RowChunks, rows_out: int, direction: str, tensors, rows_used=None):
         """Each tensor's rows to their places in the peers' ``rows_out``-row buffers; returns
-        this rank's buffers' copies (rows from ``rows_used`` on zeroed, when given)."""
+        copies of this rank's buffers with the rows from ``rows_used`` on zeroed, or without
+        ``rows_used`` the buffers themselves (valid until this direction's next exchange)."""
         tensors = [t.contiguous() for t in tensors]
         peers = [self._peers(direction, rows_out, t) for t in tensors]
-        peers[0].handle.barrier(channel=0)  # every rank has copied out of its buffers
+        peers[0].handle.barrier(channel=0)  # every rank is done with what its buffers held
         for t, p in zip(tensors, peers):
             push_rows(t, chunks, p.bases)
         peers[0].handle.barrier(channel=0)  # every row has landed
         if rows_used is None:
-            return [p.local.clone() for p in peers]
+            return [p.local.detach() for p in peers]  # a new tensor object on the same storage
         return [copy_rows_zero_tail(p.local, rows_used) for p in peers]
 
     def _peers(self, direction: str, rows: int, like: torch.Tensor) -> _Peers:

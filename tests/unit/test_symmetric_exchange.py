@@ -252,3 +252,32 @@ def test_a_new_buffer_is_zeroed_before_the_peers_can_map_it(monkeypatch):
     peers = sx._allocate("ep", (4, 2), torch.bfloat16, torch.device("cpu"))
     assert calls.index("empty") < calls.index("synchronize") < calls.index("rendezvous"), calls
     assert peers.bases.tolist() == [1, 2]
+
+
+def test_only_the_owner_rows_are_copied_out_of_their_buffer(monkeypatch):
+    """The experts save the owners' rows for the backward: a copy (tail zeroed). The other
+    directions hand out the buffer itself (read once, before this direction's next exchange)."""
+    from megatron.moe_patches import symmetric_exchange as sx
+
+    handle = types.SimpleNamespace(barrier=lambda channel=0: None)
+    buffers = {}
+
+    def peers(direction, rows, like):  # ep = 1: this rank is every row's destination
+        local = buffers.setdefault(direction, torch.zeros((rows, *like.shape[1:]), dtype=like.dtype))
+        return sx._Peers(local, local, handle)  # "bases": the buffer itself, for the stand-in push
+
+    def push(x_RC, chunks, buffer):
+        for row, (_, dest) in enumerate(_send(chunks, x_RC.shape[0])):
+            buffer[dest] = x_RC[row]
+
+    exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 0, size=lambda: 1, group_name="ep"), topk=1)
+    monkeypatch.setattr(exchange, "_peers", peers)
+    monkeypatch.setattr(sx, "push_rows", push)
+    monkeypatch.setattr(sx, "copy_rows_zero_tail",
+                        lambda b, used: torch.where(torch.arange(b.shape[0])[:, None] < used, b, 0))
+    plan = ExchangePlan(torch.tensor([[2, 1]]), 0, rows_sent=3, rows_bound=5)
+    x = torch.arange(6.0).view(3, 2)
+    (owners,) = exchange.send_to_owners(plan, x)
+    (sources,) = exchange.send_to_sources(plan, owners)
+    assert owners.data_ptr() != buffers["owners"].data_ptr() and torch.equal(owners[:3], x) and not owners[3:].any()
+    assert sources.data_ptr() == buffers["sources"].data_ptr() and torch.equal(sources, x)
