@@ -107,6 +107,7 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
     revert()
     if overrides is not None:
         apply()
+    layer = graphs = None
     try:
         config = tc_module.TransformerConfig(**moe_config_kwargs(shape, precision, expert_model_parallel_size=ep,
                                                                       **(overrides or {})))
@@ -115,13 +116,15 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
         hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         grad = torch.randn_like(hidden)
         if graphs_dropless_moe(config):
-            MoELayerGraphs([layer], hidden, context=lambda: fp8_context(config)).install()
+            graphs = MoELayerGraphs([layer], hidden, context=lambda: fp8_context(config)).install()
         ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
         backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")
         nccl_ms = exchange_ms(layer, hidden, grad) if ep > 1 else None
     finally:
         revert()
-        del layer
+        if graphs is not None:
+            graphs.uninstall()  # the layer's replaying forward refers back to it: free both now
+        del layer, graphs
         torch.cuda.empty_cache()
     return ms, peak, backend, nccl_ms
 
