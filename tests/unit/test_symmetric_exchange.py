@@ -281,3 +281,92 @@ def test_only_the_owner_rows_are_copied_out_of_their_buffer(monkeypatch):
     (sources,) = exchange.send_to_sources(plan, owners)
     assert owners.data_ptr() != buffers["owners"].data_ptr() and torch.equal(owners[:3], x) and not owners[3:].any()
     assert sources.data_ptr() == buffers["sources"].data_ptr() and torch.equal(sources, x)
+
+
+def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkeypatch):
+    """The host-side protocol with 2 ranks in threads: counts, rows and gradients through the
+    buffers every layer shares (a barrier per buffer, as torch's signal pads pair them), the
+    returned rows handed out uncopied. Stores and copies are stand-ins for the kernels (their
+    placement is the row-by-row reference above); results against the same math without
+    any exchange."""
+    import threading
+
+    from megatron.moe_patches import symmetric_exchange as sx
+
+    ep, local, topk, tokens = 2, 2, 2, 5
+    experts = ep * local
+    buffers, barriers, lock = {}, {}, threading.Lock()
+
+    def peers_of(rank):
+        def peers(direction, rows, like):
+            key = (direction, rows, tuple(like.shape[1:]), like.dtype)
+            with lock:
+                if key not in buffers:
+                    buffers[key] = [torch.full((rows, *like.shape[1:]), float("nan")).to(like.dtype)
+                                    for _ in range(ep)]
+                    barriers[key] = threading.Barrier(ep, timeout=20)
+            handle = types.SimpleNamespace(barrier=lambda channel=0: barriers[key].wait())
+            return sx._Peers(buffers[key][rank], buffers[key], handle)
+        return peers
+
+    def push(x_RC, chunks, peer_buffers):
+        for row, (peer, dest) in enumerate(_send(chunks, x_RC.shape[0])):
+            peer_buffers[peer][dest] = x_RC[row]
+
+    monkeypatch.setattr(sx, "push_rows", push)
+    monkeypatch.setattr(sx, "copy_rows_zero_tail",
+                        lambda b, used: torch.where((torch.arange(b.shape[0]) < used).view(-1, *[1] * (b.dim() - 1)),
+                                                    b, torch.zeros((), dtype=b.dtype)))
+    generator = torch.Generator().manual_seed(3)
+    inputs = []
+    for rank in range(ep):  # each token picks top-k distinct experts; rows sorted by expert
+        picks = torch.stack([torch.randperm(experts, generator=generator)[:topk] for _ in range(tokens)])
+        expert_R = picks.flatten().sort().values
+        x_RH = torch.randn(tokens * topk, 3, generator=generator, dtype=torch.float64)
+        probs_R = torch.rand(tokens * topk, generator=generator, dtype=torch.float64)
+        inputs.append((expert_R, x_RH, probs_R))
+
+    def scale_of(expert_R):  # the "experts": owner-side rows times (local expert index + 2)
+        return (expert_R % local + 2).to(torch.float64)
+
+    results, errors = {}, []
+
+    def run(rank):
+        try:
+            exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: rank, size=lambda: ep,
+                                                                  group_name="ep"), topk=topk)
+            exchange._peers = peers_of(rank)
+            expert_R, x0, p0 = inputs[rank]
+            x_RH, probs_R = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+            counts_E = torch.bincount(expert_R, minlength=experts)
+            h = x_RH
+            for _ in range(2):  # two layers: the same buffers, one after the other
+                plan = exchange.plan(counts_E, tokens)
+                x_BH, p_B = exchange.dispatch(plan, h, probs_R)
+                ends = torch.cumsum(plan.tokens_per_local_expert, 0)
+                local_B = torch.searchsorted(ends, torch.arange(x_BH.shape[0]), right=True).clamp(max=local - 1)
+                y_BH = x_BH * (local_B + 2).to(x_BH.dtype)[:, None] * p_B[:, None]
+                h = exchange.combine(plan, y_BH) * 1.0  # the unpermute: reads the handed-out rows once
+            (h * torch.arange(1.0, 4.0, dtype=torch.float64)).sum().backward()
+            results[rank] = (h.detach(), x_RH.grad, probs_R.grad)
+        except Exception as error:  # noqa: BLE001 - reported below, with the other rank released
+            errors.append(error)
+            for barrier in barriers.values():
+                barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ep)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for rank in range(ep):
+        expert_R, x0, p0 = inputs[rank]
+        x_RH, probs_R = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        s = scale_of(expert_R)[:, None]
+        expected = x_RH * s * probs_R[:, None] * s * probs_R[:, None]
+        (expected * torch.arange(1.0, 4.0, dtype=torch.float64)).sum().backward()
+        out, dx, dp = results[rank]
+        torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(dx, x_RH.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(dp, probs_R.grad, rtol=0, atol=1e-12)
