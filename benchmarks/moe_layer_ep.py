@@ -48,10 +48,10 @@ def main(argv=None):
     for shape_name, shape, tokens, precision in cases(args):
         stock_ms = None
         for variant in variants:
-            ms, peak, backend, nccl_ms = run_variant(
+            ms, peak, backend, exchange_time = run_variant(
                 variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, ep=ep
             )
-            per_rank = gather((ms, peak, nccl_ms))
+            per_rank = gather((ms, peak, exchange_time))
             slowest = max(r[0] for r in per_rank)
             stock_ms = slowest if variant == "stock" else stock_ms
             exchange = statistics.mean(r[2] for r in per_rank)

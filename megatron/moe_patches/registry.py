@@ -248,8 +248,8 @@ SERIES: Tuple[Feature, ...] = (
         title="CUDA-graph-safe dropless MoE layer",
         changes="cuda_graph_scope=moe accepted for dropless MoE where graph_blocker allows it (EP 1 or "
         "EP > 1 through F12's exchange, alltoall/allgather, grouped_mm or fp8_grouped_mm experts); the "
-        "layer's forward and backward "
-        "captured as CUDA graphs with gradients of parameter aliases (MoELayerGraphs).",
+        "layer's forward and backward captured as CUDA graphs with gradients of parameter aliases "
+        "(MoELayerGraphs).",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#4071 (seed 002)", "NVIDIA/Megatron-LM#2690 (paged stashing, named by seed 002)"),
         te_requirement="none (torch CUDA graphs; the sync-free path of F8/F10)",
