@@ -52,6 +52,11 @@ VARIANTS = {
     "symmetric-exchange": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True},
     # ... captured as CUDA graphs (F11 at EP > 1).
     "symmetric-exchange-graph": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True, **GRAPHED},
+    # ... with one [E, out, in] parameter per FC (F5).
+    "symmetric-exchange-grouped": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True,
+                                   "moe_single_grouped_weight": True},
+    "symmetric-exchange-grouped-graph": {"moe_device_tokens_per_expert": True, "moe_symmetric_exchange": True,
+                                         "moe_single_grouped_weight": True, **GRAPHED},
     # F4: the experts as one te.ops pipeline (basic ops on Hopper), with and without interleave.
     "op-fuser": {"use_transformer_engine_op_fuser": True},
     "op-fuser-interleave": {"use_transformer_engine_op_fuser": True, "moe_mlp_glu_interleave_size": 32},

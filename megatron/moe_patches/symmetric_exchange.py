@@ -24,12 +24,14 @@ the weighted GLU (``weighted_glu``) writes zeros there, so the tail never reache
 
 Buffers: one symmetric buffer per (group, direction, rows, columns, dtype), shared by all
 layers (``_BUFFERS``). Each exchange is barrier -> store rows into the peers' buffers ->
-barrier -> hand out. The owners' rows are copied out (the experts save them for the backward,
-and the copy zeroes the tail); the other directions hand out the buffer itself, read once by
-the next operation on this rank's stream (the unpermute, the permute's backward, the routing
-math), which therefore runs before this rank's next exchange through that buffer, whose
+barrier -> hand out. The dispatched tokens and probs are copied out (the experts save them
+for the backward, and the copy zeroes the tail); every other exchange hands out the buffer
+itself (the output gradients' tail zeroed in place), read by the next operations on this
+rank's stream (the experts' backward, the unpermute, the permute's backward, the routing
+math), which therefore run before this rank's next exchange through that buffer, whose
 first barrier every peer waits for before storing into it. Two exchanges must never run at
-once (megatron-core's EP overlap does: refused).
+once, and nothing may read a handed-out buffer later (megatron-core's EP overlap, the only
+way to delay the experts' weight gradients, does both: refused).
 
 Every EP rank must hold the same number of tokens (megatron-core's micro-batches do), and
 the EP group must be one node with peer access between its GPUs.
@@ -231,26 +233,28 @@ class SymmetricExchange:
 
     # The two directions; each backward is the other.
 
-    def send_to_owners(self, plan: ExchangePlan, *tensors):
-        # This rank's received rows end where its owner-side chunks do.
-        return self._send(plan.to_owners, plan.rows_bound, "owners", tensors, rows_used=plan.to_sources.ends_C[-1:])
+    def send_to_owners(self, plan: ExchangePlan, *tensors, keep: bool):
+        """The owners' [bound, ...] tensors, rows past the received ones zero. ``keep``: copies
+        (the experts save the tokens for the backward); otherwise the buffers themselves."""
+        received = self._send(plan.to_owners, plan.rows_bound, "owners", tensors)
+        rows_used = plan.to_sources.ends_C[-1:]  # where this rank's owner-side chunks end
+        if keep:
+            return [copy_rows_zero_tail(r, rows_used) for r in received]
+        return [zero_rows_from(r, rows_used) for r in received]
 
     def send_to_sources(self, plan: ExchangePlan, *tensors):
         return self._send(plan.to_sources, plan.rows_sent, "sources", tensors)
 
-    def _send(self, chunks: RowChunks, rows_out: int, direction: str, tensors, rows_used=None):
+    def _send(self, chunks: RowChunks, rows_out: int, direction: str, tensors):
         """Each tensor's rows to their places in the peers' ``rows_out``-row buffers; returns
-        copies of this rank's buffers with the rows from ``rows_used`` on zeroed, or without
-        ``rows_used`` the buffers themselves (valid until this direction's next exchange)."""
+        this rank's buffers (valid until this direction's next exchange)."""
         tensors = [t.contiguous() for t in tensors]
         peers = [self._peers(direction, rows_out, t) for t in tensors]
         peers[0].handle.barrier(channel=0)  # every rank is done with what its buffers held
         for t, p in zip(tensors, peers):
             push_rows(t, chunks, p.bases)
         peers[0].handle.barrier(channel=0)  # every row has landed
-        if rows_used is None:
-            return [p.local.detach() for p in peers]  # a new tensor object on the same storage
-        return [copy_rows_zero_tail(p.local, rows_used) for p in peers]
+        return [p.local.detach() for p in peers]  # a new tensor object on the same storage
 
     def _peers(self, direction: str, rows: int, like: torch.Tensor) -> _Peers:
         shape = (rows, *like.shape[1:])
@@ -298,7 +302,7 @@ class _ToOwners(torch.autograd.Function):
     @staticmethod
     def forward(ctx, exchange, plan, x_RH, probs_R):
         ctx.exchange, ctx.plan = exchange, plan
-        x_BH, probs_B = exchange.send_to_owners(plan, x_RH, probs_R)
+        x_BH, probs_B = exchange.send_to_owners(plan, x_RH, probs_R, keep=True)
         return x_BH, probs_B
 
     @staticmethod
@@ -318,14 +322,21 @@ class _ToSources(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RH):
-        (dy_BH,) = ctx.exchange.send_to_owners(ctx.plan, dy_RH)
+        (dy_BH,) = ctx.exchange.send_to_owners(ctx.plan, dy_RH, keep=False)  # read once, by the experts' backward
         return None, None, dy_BH
 
 
 # --- kernels ---------------------------------------------------------------------------------
 
 
-def push_rows(x_RC: torch.Tensor, chunks: RowChunks, bases_P: torch.Tensor) -> None:
+# The store kernel's tile: rows per program and warps (on H200s over NVLink, 1-16 rows and 4-16
+# warps were within 10 % of each other; 8 x 8 was the steadiest); columns go BLOCK at a time.
+PUSH_ROWS_PER_PROGRAM = 8
+PUSH_WARPS = 8
+
+
+def push_rows(x_RC: torch.Tensor, chunks: RowChunks, bases_P: torch.Tensor,
+              rows_per_program: int = PUSH_ROWS_PER_PROGRAM, num_warps: int = PUSH_WARPS) -> None:
     """Store row r of ``x_RC`` (a 1-D tensor is one column) at row ``dest[c] + r - start[c]``
     of rank ``peer[c]``'s buffer (address ``bases_P[peer]``), c the chunk holding r. Rows
     past the last chunk are not sent."""
@@ -335,24 +346,36 @@ def push_rows(x_RC: torch.Tensor, chunks: RowChunks, bases_P: torch.Tensor) -> N
         return
     kernel = _triton_kernels()[0]
     chunks_count = chunks.ends_C.numel()
-    block = min(4096, triton_next_pow2(cols))
+    tile_rows = min(triton_next_pow2(rows_per_program), triton_next_pow2(rows))
+    block = max(1, min(4096 // tile_rows, triton_next_pow2(cols)))
     row_bytes = cols * x_RC.element_size()
-    kernel[(rows,)](x_RC, chunks.ends_C, chunks.dest_C, chunks.peer_C, bases_P, cols, row_bytes,
-                    ALIGNED=row_bytes % 16 == 0, CHUNKS=chunks_count, CHUNKS_P2=triton_next_pow2(chunks_count),
-                    BLOCK=block, num_warps=4 if block >= 1024 else 1)
+    kernel[(-(-rows // tile_rows),)](
+        x_RC, chunks.ends_C, chunks.dest_C, chunks.peer_C, bases_P, cols, row_bytes,
+        ALIGNED=row_bytes % 16 == 0, CHUNKS=chunks_count, CHUNKS_P2=triton_next_pow2(chunks_count),
+        ROWS=tile_rows, BLOCK=block, num_warps=num_warps if tile_rows * block >= 1024 else 1)
 
 
 def copy_rows_zero_tail(buffer_BC: torch.Tensor, rows_used: torch.Tensor) -> torch.Tensor:
     """A copy of ``buffer_BC`` with the rows from ``rows_used`` (a 1-element device tensor) on
     zeroed: the rows past the received ones are whatever an earlier exchange left."""
     out = torch.empty_like(buffer_BC)
-    rows = buffer_BC.shape[0]
-    cols = buffer_BC[0].numel() if rows else 0
+    _rows_from(buffer_BC, out, rows_used, copy=True)
+    return out
+
+
+def zero_rows_from(buffer_BC: torch.Tensor, rows_used: torch.Tensor) -> torch.Tensor:
+    """``buffer_BC`` with the rows from ``rows_used`` on zeroed in place (the others kept)."""
+    _rows_from(buffer_BC, buffer_BC, rows_used, copy=False)
+    return buffer_BC
+
+
+def _rows_from(src_BC, out_BC, rows_used, copy: bool) -> None:
+    rows = src_BC.shape[0]
+    cols = src_BC[0].numel() if rows else 0
     if rows and cols:
         block = min(4096, triton_next_pow2(cols))
-        _triton_kernels()[1][(rows,)](buffer_BC, out, rows_used, cols, BLOCK=block,
+        _triton_kernels()[1][(rows,)](src_BC, out_BC, rows_used, cols, COPY=copy, BLOCK=block,
                                       num_warps=4 if block >= 1024 else 1)
-    return out
 
 
 def triton_next_pow2(n: int) -> int:
@@ -366,37 +389,42 @@ def _triton_kernels():
 
     @triton.jit
     def push_rows_kernel(x_ptr, ends_ptr, dest_ptr, peer_ptr, bases_ptr, cols, row_bytes, ALIGNED: tl.constexpr,
-                         CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
+                         CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # Programs take tiles from both ends in turn: a sender's rows are grouped by peer, so
+        # the stores into this rank's own buffer run beside the NVLink ones, not before them.
+        pid, tiles = tl.program_id(0), tl.num_programs(0)
+        tile = tl.where(pid % 2 == 0, pid // 2, tiles - 1 - pid // 2)
+        row_R = tile * ROWS + tl.arange(0, ROWS)
+        c_C = tl.arange(0, CHUNKS_P2)
+        ends_C = tl.load(ends_ptr + c_C, mask=c_C < CHUNKS, other=0)
+        sent_R = row_R < tl.load(ends_ptr + CHUNKS - 1)  # the last end is at most the rows of x
+        # a row's chunk = how many chunks end at or before it (ends are inclusive scans)
+        chunk_R = tl.sum(((ends_C[None, :] <= row_R[:, None]) & (c_C[None, :] < CHUNKS)).to(tl.int32), axis=1)
+        start_R = tl.load(ends_ptr + chunk_R - 1, mask=sent_R & (chunk_R > 0), other=0)
+        dest_R = tl.load(dest_ptr + chunk_R, mask=sent_R, other=0) + row_R - start_R
+        peer_R = tl.load(peer_ptr + chunk_R, mask=sent_R, other=0)
+        # The peers' row addresses as integers: their alignment (16 B rows) lets the stores
+        # over NVLink go out 16 B at a time.
+        address_R = tl.load(bases_ptr + peer_R, mask=sent_R, other=0) + dest_R.to(tl.int64) * row_bytes
+        if ALIGNED:
+            address_R = tl.multiple_of(address_R, 16)
+        out_R = address_R.to(tl.pointer_type(x_ptr.dtype.element_ty))
+        for col0 in range(0, cols, BLOCK):
+            col = col0 + tl.arange(0, BLOCK)
+            mask = sent_R[:, None] & (col[None, :] < cols)
+            values = tl.load(x_ptr + row_R[:, None].to(tl.int64) * cols + col[None, :], mask=mask)
+            tl.store(out_R[:, None] + col[None, :], values, mask=mask)
+
+    @triton.jit
+    def copy_zero_tail_kernel(src_ptr, out_ptr, used_ptr, cols, COPY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        if row < tl.load(ends_ptr + CHUNKS - 1):
-            c = tl.arange(0, CHUNKS_P2)
-            ends = tl.load(ends_ptr + c, mask=c < CHUNKS, other=0)
-            # chunk = how many chunks end at or before this row (ends are inclusive scans)
-            chunk = tl.sum(((ends <= row) & (c < CHUNKS)).to(tl.int32), axis=0)
-            start = tl.load(ends_ptr + chunk - 1, mask=chunk > 0, other=0)
-            dest_row = tl.load(dest_ptr + chunk) + row - start
-            peer = tl.load(peer_ptr + chunk)
-            # The peer's row address as an integer: its alignment (16 B rows) lets the stores
-            # over NVLink go out 16 B at a time.
-            address = tl.load(bases_ptr + peer) + dest_row.to(tl.int64) * row_bytes
-            if ALIGNED:
-                address = tl.multiple_of(address, 16)
-            out_row = address.to(tl.pointer_type(x_ptr.dtype.element_ty))
+        keep = row < tl.load(used_ptr)
+        if COPY or not keep:  # in place, the kept rows are already there
             for col0 in range(0, cols, BLOCK):
                 col = col0 + tl.arange(0, BLOCK)
                 inside = col < cols
-                values = tl.load(x_ptr + row.to(tl.int64) * cols + col, mask=inside)
-                tl.store(out_row + col, values, mask=inside)
-
-    @triton.jit
-    def copy_zero_tail_kernel(src_ptr, out_ptr, used_ptr, cols, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        keep = row < tl.load(used_ptr)
-        for col0 in range(0, cols, BLOCK):
-            col = col0 + tl.arange(0, BLOCK)
-            inside = col < cols
-            at = row.to(tl.int64) * cols + col
-            values = tl.load(src_ptr + at, mask=inside & keep, other=0)
-            tl.store(out_ptr + at, values, mask=inside)
+                at = row.to(tl.int64) * cols + col
+                values = tl.load(src_ptr + at, mask=inside & keep, other=0)
+                tl.store(out_ptr + at, values, mask=inside)
 
     return push_rows_kernel, copy_zero_tail_kernel

@@ -254,16 +254,22 @@ def test_a_new_buffer_is_zeroed_before_the_peers_can_map_it(monkeypatch):
     assert peers.bases.tolist() == [1, 2]
 
 
-def test_only_the_owner_rows_are_copied_out_of_their_buffer(monkeypatch):
-    """The experts save the owners' rows for the backward: a copy (tail zeroed). The other
-    directions hand out the buffer itself (read once, before this direction's next exchange)."""
+def _zero_from(b, used):  # the tail-zeroing kernels' math, out of place
+    inside = (torch.arange(b.shape[0]) < used).view(-1, *[1] * (b.dim() - 1))
+    return torch.where(inside, b, torch.zeros((), dtype=b.dtype))
+
+
+def test_only_the_dispatched_rows_are_copied_out_of_their_buffer(monkeypatch):
+    """The experts save the dispatched tokens for the backward: a copy (tail zeroed). The
+    output gradients and the other direction hand out the buffer itself (read once, before
+    this direction's next exchange), the owners' tail zeroed in place."""
     from megatron.moe_patches import symmetric_exchange as sx
 
     handle = types.SimpleNamespace(barrier=lambda channel=0: None)
     buffers = {}
 
     def peers(direction, rows, like):  # ep = 1: this rank is every row's destination
-        local = buffers.setdefault(direction, torch.zeros((rows, *like.shape[1:]), dtype=like.dtype))
+        local = buffers.setdefault(direction, torch.full((rows, *like.shape[1:]), 7, dtype=like.dtype))
         return sx._Peers(local, local, handle)  # "bases": the buffer itself, for the stand-in push
 
     def push(x_RC, chunks, buffer):
@@ -273,14 +279,17 @@ def test_only_the_owner_rows_are_copied_out_of_their_buffer(monkeypatch):
     exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 0, size=lambda: 1, group_name="ep"), topk=1)
     monkeypatch.setattr(exchange, "_peers", peers)
     monkeypatch.setattr(sx, "push_rows", push)
-    monkeypatch.setattr(sx, "copy_rows_zero_tail",
-                        lambda b, used: torch.where(torch.arange(b.shape[0])[:, None] < used, b, 0))
+    monkeypatch.setattr(sx, "copy_rows_zero_tail", _zero_from)
+    monkeypatch.setattr(sx, "zero_rows_from", lambda b, used: b.copy_(_zero_from(b, used)))
     plan = ExchangePlan(torch.tensor([[2, 1]]), 0, rows_sent=3, rows_bound=5)
     x = torch.arange(6.0).view(3, 2)
-    (owners,) = exchange.send_to_owners(plan, x)
-    (sources,) = exchange.send_to_sources(plan, owners)
+    (owners,) = exchange.send_to_owners(plan, x, keep=True)
     assert owners.data_ptr() != buffers["owners"].data_ptr() and torch.equal(owners[:3], x) and not owners[3:].any()
+    (sources,) = exchange.send_to_sources(plan, owners)
     assert sources.data_ptr() == buffers["sources"].data_ptr() and torch.equal(sources, x)
+    buffers["owners"].fill_(7)  # what an earlier exchange left
+    (grads,) = exchange.send_to_owners(plan, x * 2, keep=False)
+    assert grads.data_ptr() == buffers["owners"].data_ptr() and torch.equal(grads[:3], x * 2) and not grads[3:].any()
 
 
 def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkeypatch):
@@ -314,9 +323,8 @@ def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkey
             peer_buffers[peer][dest] = x_RC[row]
 
     monkeypatch.setattr(sx, "push_rows", push)
-    monkeypatch.setattr(sx, "copy_rows_zero_tail",
-                        lambda b, used: torch.where((torch.arange(b.shape[0]) < used).view(-1, *[1] * (b.dim() - 1)),
-                                                    b, torch.zeros((), dtype=b.dtype)))
+    monkeypatch.setattr(sx, "copy_rows_zero_tail", _zero_from)
+    monkeypatch.setattr(sx, "zero_rows_from", lambda b, used: b.copy_(_zero_from(b, used)))
     generator = torch.Generator().manual_seed(3)
     inputs = []
     for rank in range(ep):  # each token picks top-k distinct experts; rows sorted by expert
