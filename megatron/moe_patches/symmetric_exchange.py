@@ -329,8 +329,9 @@ class _ToSources(torch.autograd.Function):
 # --- kernels ---------------------------------------------------------------------------------
 
 
-# The store kernel's tile: rows per program and warps (on H200s over NVLink, 1-16 rows and 4-16
-# warps were within 10 % of each other; 8 x 8 was the steadiest); columns go BLOCK at a time.
+# The store kernel's tile: rows per program and warps (on H200s over NVLink, 1-8 rows and 4-16
+# warps were within 10 % of each other, 8 x 8 the steadiest, 16 rows slower); columns go BLOCK
+# at a time. benchmarks/exchange_stores.py measures them.
 PUSH_ROWS_PER_PROGRAM = 8
 PUSH_WARPS = 8
 
