@@ -27,7 +27,7 @@ from megatron.moe_patches.fields import (
     log_once,
     uses_legacy_grouped_gemm,
 )
-from megatron.moe_patches.moe_cuda_graph import graph_blocker, scope_names
+from megatron.moe_patches.moe_cuda_graph import graph_blocker, graphs_dropless_moe, scope_names
 from megatron.moe_patches.symmetric_exchange import exchange_config_errors
 
 logger = logging.getLogger(__name__)
@@ -142,22 +142,16 @@ def validate_moe_patch_config(config) -> None:
                 f"cuda_graph_scope=moe for dropless MoE needs the graph-safe MoE layer (F11), and "
                 f"this config cannot have it: {reason}. Fix that, or drop moe from --cuda-graph-scope."
             )
-        if "moe_router" in scope_names(config.cuda_graph_scope):
-            errors.append("cuda_graph_scope must not contain both moe and moe_router.")
+        others = [name for name in scope_names(config.cuda_graph_scope) if name != "moe"]
+        if others:
+            errors.append(
+                f"cuda_graph_scope={' '.join(['moe', *others])}: the patch set captures dropless MoE "
+                "layers itself, and megatron-core's other scopes would capture them again; use "
+                "--cuda-graph-scope moe alone."
+            )
 
     if errors:
         raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
-
-
-def graphs_dropless_moe(config) -> bool:
-    """Whether the config asks for CUDA graphs of dropless MoE layers (megatron-core 0.16.1
-    graphs only drop-and-pad MoE layers; F11 graphs dropless ones)."""
-    return (
-        config.cuda_graph_impl in ("local", "transformer_engine")
-        and "moe" in scope_names(config.cuda_graph_scope)
-        and config.num_moe_experts is not None
-        and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
-    )
 
 
 def _has_grouped_experts(config) -> bool:

@@ -23,6 +23,15 @@ an indexed ``weight1`` also matches ``weight10``. ``state_dict_param_map`` match
 names instead and converts layouts with F6's ``normalize_grouped_keys`` (so its refusals:
 incomplete set, both layouts present, wrong leading dim).
 
+The distributed optimizer's bucket formats (``dp_reshardable``, Megatron-LM's default, and
+``dp_zero_gather_scatter``) store states as flat buffers in the order parameters lie in
+memory: they load into the same parameter layout only (a grouped parameter holds its
+experts in another order than per-expert ones; a GLU interleave permutes FC1 rows), and
+megatron-core would load them into another one without a word, each expert's states in
+another's place. The patched optimizer records its layout (``param_layout``) beside those
+states and refuses a load across layouts by name (``bucket_layout_refusal``), whichever loop
+loads it; ``fully_reshardable`` states are per parameter and load across layouts (above).
+
 Patches: ``DistributedOptimizer`` (megatron.core.optimizer.distrib_optimizer) is replaced
 by ``GroupedParamDistributedOptimizer``; ``get_param_id_to_sharded_param_map`` (the
 other optimizers' lookup) by ``param_id_to_sharded_param_map``. Grouped *quantized*
@@ -167,14 +176,67 @@ def _state_dict_per_chunk(state_dict: Dict, chunks: int) -> List[Dict]:
     return [state_dict.get("model", state_dict)]
 
 
+# The config fields that decide how expert parameters lie in memory, and their stock values.
+LAYOUT_FIELDS = {"moe_single_grouped_weight": False, "moe_single_grouped_bias": False,
+                 "moe_mlp_glu_interleave_size": None}
+LAYOUT_KEY = "moe_patches_param_layout"  # beside the optimizer's own common state
+BUCKET_FORMATS = ("dp_reshardable", "dp_zero_gather_scatter")  # states in memory order
+
+
+def param_layout(config) -> Dict:
+    """How ``config``'s expert parameters lie in memory (the LAYOUT_FIELDS it sets)."""
+    return {name: getattr(config, name, stock) for name, stock in LAYOUT_FIELDS.items()}
+
+
+def bucket_layout_refusal(sharding_type: Optional[str], saved: Optional[Dict], current: Dict) -> Optional[str]:
+    """Why optimizer states of ``sharding_type`` saved in layout ``saved`` cannot load into
+    ``current``, or None. ``saved`` None: the checkpoint records no layout (stock
+    megatron-core, whose experts are per-expert, or an earlier version of this package)."""
+    if sharding_type not in BUCKET_FORMATS:
+        return None  # per parameter: F7 maps layouts exactly
+    saved = {**LAYOUT_FIELDS, **(saved or {})} if saved is not None else None
+    if saved == current or (saved is None and current == LAYOUT_FIELDS):
+        return None
+    fix = ("Resume with the layout it was saved with (--use-checkpoint-args restores it), or load it "
+           "that way once and save with --dist-ckpt-optim-fully-reshardable, whose per-parameter "
+           "states load into any layout; --no-load-optim loads the model alone.")
+    if saved is None:
+        now = ", ".join(f"{_flag(n)} {v}" for n, v in current.items() if v != LAYOUT_FIELDS[n])
+        return (f"the checkpoint's {sharding_type} distributed-optimizer states record no expert parameter "
+                f"layout, and this run's layout is not the stock one ({now}): they would load in another "
+                f"order, each expert's states in another expert's place. {fix}")
+    pairs = ", ".join(f"{_flag(n)} {saved[n]} (checkpoint) vs {current[n]} (now)"
+                      for n in LAYOUT_FIELDS if saved[n] != current[n])
+    return (f"the checkpoint's {sharding_type} distributed-optimizer states are flat buffers in another expert "
+            f"parameter layout: {pairs}; loading them would put each expert's states in another expert's "
+            f"place. {fix}")
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
 class GroupedParamDistributedOptimizer(DistributedOptimizer):
-    """DistributedOptimizer whose checkpoints hold grouped parameters' states per expert."""
+    """DistributedOptimizer whose checkpoints hold grouped parameters' states per expert and
+    record the expert parameter layout of their bucket states."""
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, sharding_type=None,
                            metadata=None):
         params = [p for buffer in self.buffers for p in buffer.param_index_map]
         model_sharded_state_dict = _with_grouped_entries(model_sharded_state_dict, params)
-        return super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type, metadata)
+        state = super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type, metadata)
+        state[LAYOUT_KEY] = self._param_layout()  # a plain value: the checkpoint's common state
+        return state
+
+    def load_state_dict(self, state_dict):
+        refusal = bucket_layout_refusal(state_dict.get("param_state_sharding_type"), state_dict.get(LAYOUT_KEY),
+                                        self._param_layout())
+        if refusal is not None:
+            raise ValueError(refusal)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})
+
+    def _param_layout(self) -> Dict:
+        return param_layout(self.model_chunks[0].config)
 
     def _build_model_param_to_state_dict_param_map(self, state_dict):
         per_chunk = _state_dict_per_chunk(state_dict, len(self.model_chunks))

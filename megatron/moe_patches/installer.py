@@ -5,7 +5,9 @@ rebinds every module-level name in ``megatron.*`` that refers to the stock
 object (``from x import f`` copies the reference, so patching the defining
 module alone misses those), and reverting rebinds the patched object back,
 including in modules imported while the patch was on. Identity decides
-everything, so applying twice is applying once.
+everything, so applying twice is applying once. A method has no module-level
+name: it comes as a (class, attribute, patched) triple, set on the class and
+restored on revert.
 """
 
 import importlib
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 _OWN_PACKAGE = __name__.rpartition(".")[0]
 
-# feature id -> the (stock, patched) pairs it installed
+# feature id -> what it installed: (stock, patched) pairs and (class, attribute, stock, patched)
 _applied: Dict[str, List[Tuple[object, object]]] = {}
 
 
@@ -109,11 +111,20 @@ def _apply_one(feature: Feature) -> None:
     if blocked is not None:
         logger.info("moe_patches: %s", blocked.line())
         return
-    pairs = [pair for module in feature.installs for pair in importlib.import_module(module).replacements()]
-    for old, new in pairs:
+    patches = [patch for module in feature.installs for patch in importlib.import_module(module).replacements()]
+    installed = []
+    for patch in patches:
+        if len(patch) == 3:  # (class, attribute, patched): keep what the class itself had
+            owner, name, new = patch
+            old = owner.__dict__[name]
+            setattr(owner, name, new)
+            installed.append((owner, name, old, new))
+            continue
+        old, new = patch
         rebind_everywhere(old, new)
         cap.note_installed(old, new)
-    _applied[feature.id] = pairs
+        installed.append(patch)
+    _applied[feature.id] = installed
     logger.info("moe_patches: applied %s (%s)", feature.id, feature.title)
 
 
@@ -145,7 +156,12 @@ def revert(features: Optional[Union[str, Sequence[str]]] = None) -> None:
             grew = bool(dependents)
     for feature_id in reversed(list(_applied)):
         if feature_id in targets:
-            for old, new in reversed(_applied.pop(feature_id)):
+            for patch in reversed(_applied.pop(feature_id)):
+                if len(patch) == 4:
+                    owner, name, old, _ = patch
+                    setattr(owner, name, old)
+                    continue
+                old, new = patch
                 rebind_everywhere(new, old)
                 cap.note_reverted(new)
             logger.info("moe_patches: reverted %s", feature_id)

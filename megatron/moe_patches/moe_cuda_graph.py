@@ -23,6 +23,21 @@ the gradients of fresh aliases of the parameters (same storage, created on the c
 stream) and hands them to the real parameters outside the graph, where DDP's hooks see
 them as usual.
 
+Every training loop reaches the one capture (``capture_moe_layers``) through megatron-core's
+own graph entry points, which ``apply()`` installs (``replacements()``):
+
+- ``--cuda-graph-impl transformer_engine``: the loop builds megatron-core's
+  ``TECudaGraphHelper`` and calls its ``create_cudagraphs()`` after
+  ``--cuda-graph-warmup-steps`` steps (Megatron-LM's ``train()`` does). The patched helper
+  captures the MoE layers there when the config graphs dropless MoE; any other config gets
+  the stock helper's behaviour.
+- ``--cuda-graph-impl local``: each transformer layer asks ``create_mcore_cudagraph_manager``
+  for a graph manager at construction. For a layer whose MLP is an MoE layer under a
+  dropless ``moe`` scope the patched method attaches ``MoEScopeGraphManager``, which runs the
+  layer eagerly and notes its MoE layer; megatron-core's ``create_cudagraphs()``, which the
+  schedules call after every forward-backward, then captures the noted layers once
+  ``--cuda-graph-warmup-steps`` training steps (at least one) have run.
+
 Rules of use (what a training loop with PP = 1 does): every call has the sample's shape;
 each layer's forward and backward alternate as captured (forward of all layers, then
 their backwards in reverse order, per micro-batch); the output and input gradient are
@@ -33,13 +48,25 @@ copies; before a replay the backend refreshes them in place when an optimizer ha
 """
 
 import contextlib
-from typing import Callable, List, Optional, Sequence
+import time
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from megatron.core.transformer import cuda_graphs as mcore_graphs
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from megatron.moe_patches.expert_table import backend_support, select_backend
 from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.symmetric_exchange import exchange_blocker
+
+# This package keeps the stock objects (apply() rebinds megatron-core's names, not these).
+_STOCK_TE_HELPER = mcore_graphs.TECudaGraphHelper
+_STOCK_CREATE_CUDAGRAPHS = mcore_graphs.create_cudagraphs
+_STOCK_MANAGER_FACTORIES = {cls: cls.__dict__["create_mcore_cudagraph_manager"]
+                            for cls in (TransformerLayer, MoETransformerLayer)}
 
 GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
 
@@ -89,6 +116,17 @@ def graph_blocker(config) -> Optional[str]:
                         if name in GRAPH_SAFE_BACKENDS and reason)
         return f"the {backend.name} expert backend takes host token counts ({why})"
     return None
+
+
+def graphs_dropless_moe(config) -> bool:
+    """Whether the config asks for CUDA graphs of dropless MoE layers (megatron-core 0.16.1
+    graphs only drop-and-pad MoE layers; F11 graphs dropless ones)."""
+    return (
+        config.cuda_graph_impl in ("local", "transformer_engine")
+        and "moe" in scope_names(config.cuda_graph_scope)
+        and config.num_moe_experts is not None
+        and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
+    )
 
 
 def scope_names(scope) -> List[str]:
@@ -230,14 +268,223 @@ def _graphed_forward(layer, captured: _Captured, shape, dtype):
                 or tuple(hidden_states.shape) != shape or hidden_states.dtype != dtype):
             return eager(hidden_states, *args, **kwargs)
         captured.replays += 1
+        _run_submodule_pre_hooks(layer)
         return _Replay.apply(captured, hidden_states, *captured.params), None
 
     return forward
 
 
+def _run_submodule_pre_hooks(layer):
+    """A replay skips the layer's submodules' calls, so their forward pre-hooks are run here:
+    Megatron's DDP waits there for the parameters' all-gather (--overlap-param-gather) and
+    turns them on and off as the loop goes, so they are looked up at every replay."""
+    for module in layer.modules():
+        if module is layer:
+            continue  # its own hooks ran in its __call__
+        for key, hook in list(module._forward_pre_hooks.items()):  # torch keeps them here only
+            if key in module._forward_pre_hooks_with_kwargs:
+                hook(module, (), {})
+            else:
+                hook(module, ())
+
+
 def moe_layers(model) -> List[torch.nn.Module]:
     """The MoE layers of ``model`` (a module or a list of model chunks), in forward order."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+# --- the capture in any training loop ------------------------------------------------------
+
+_captures: List[MoELayerGraphs] = []  # installed by capture_moe_layers, oldest first
+
+
+def active_captures() -> List[MoELayerGraphs]:
+    """The MoE layer graphs installed in this process (what a loop can ask about replays)."""
+    return list(_captures)
+
+
+def _print_rank0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+@contextlib.contextmanager
+def _router_logs_kept():
+    """The capture's warm-up runs log router losses as training steps do; the step around the
+    capture must log only its own."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    saved = {name: entry["values"].clone() for name, entry in tracker.items()}
+    try:
+        yield
+    finally:
+        for name, entry in tracker.items():
+            if name in saved:
+                entry["values"].copy_(saved[name])
+            else:
+                entry["values"].zero_()
+
+
+def capture_moe_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, when: str) -> MoELayerGraphs:
+    """The one capture every loop reaches: ``layers`` (in forward order) for micro-batches of
+    ``shape``, installed so that their next training calls replay; one line says so."""
+    from megatron.core.fp8_utils import get_fp8_context
+
+    tick = time.time()
+    device = torch.cuda.current_device()
+    # The sample and the warm-up's output gradients are random: the training's own random
+    # stream (dropout elsewhere in the model) must go on as if there had been no capture.
+    with torch.random.fork_rng(devices=[device]), _router_logs_kept():
+        sample_TBH = torch.randn(shape, dtype=dtype, device=device)
+        graphs = MoELayerGraphs(layers, sample_TBH, context=lambda: get_fp8_context(config)).install()
+    _captures.append(graphs)
+    _print_rank0(f"moe_patches: captured {len(layers)} MoE layers as CUDA graphs (forward and backward, "
+                 f"input {list(shape)}) {when}, in {time.time() - tick:.1f} s")
+    return graphs
+
+
+def release(graphs: MoELayerGraphs) -> None:
+    """Undo ``capture_moe_layers``: the layers run eagerly again and the graphs can be freed."""
+    graphs.uninstall()
+    if graphs in _captures:
+        _captures.remove(graphs)
+
+
+def _steps(count: int) -> str:
+    return f"{count} eager step{'s' if count != 1 else ''}"
+
+
+class MoEScopeGraphHelper:
+    """megatron-core's ``TECudaGraphHelper`` as ``apply()`` installs it.
+
+    Loops build it with ``--cuda-graph-impl transformer_engine`` and call
+    ``create_cudagraphs()`` after the warm-up steps. A config that graphs dropless MoE layers
+    gets this helper, which captures them with ``capture_moe_layers``; any other config gets
+    the stock helper itself (decided here, once).
+    """
+
+    def __new__(cls, model, config, seq_length, micro_batch_size, optimizers=()):
+        if not graphs_dropless_moe(config):
+            return _STOCK_TE_HELPER(model, config, seq_length, micro_batch_size, list(optimizers))
+        return super().__new__(cls)
+
+    def __init__(self, model, config, seq_length, micro_batch_size, optimizers=()):
+        self.config = config
+        self.layers = moe_layers(model)
+        # Tokens per micro-batch as the MoE layer sees them (TP > 1 is refused by graph_blocker).
+        self.shape = (seq_length // config.context_parallel_size, micro_batch_size, config.hidden_size)
+        self.graphs: Optional[MoELayerGraphs] = None
+
+    def graphs_created(self) -> bool:
+        return self.graphs is not None
+
+    def create_cudagraphs(self) -> None:
+        warmup = self.config.cuda_graph_warmup_steps
+        self.graphs = capture_moe_layers(self.layers, self.shape, self.config.params_dtype, self.config,
+                                         f"after {_steps(warmup)} (--cuda-graph-impl transformer_engine)")
+
+    def cuda_graph_set_manual_hooks(self) -> None:
+        """Nothing to set: a replay runs the skipped submodules' forward pre-hooks itself."""
+
+    def delete_cuda_graphs(self) -> None:
+        release(self.graphs)
+        self.graphs = None
+
+
+class MoEScopeGraphManager:
+    """The graph manager ``apply()`` gives a transformer layer whose MLP is a dropless MoE
+    layer under ``--cuda-graph-impl local --cuda-graph-scope moe``.
+
+    megatron-core hands every call of the layer to its manager. This one runs the layer
+    eagerly and notes its MoE layer and input shape on training calls; the capture happens
+    in ``create_cudagraphs`` at the end of a step, after which the MoE layer replays.
+    """
+
+    def __call__(self, layer, args, kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k != "dynamic_inference_decode_only"}
+        if layer.training and torch.is_grad_enabled():
+            hidden_TBH = args[0] if args else kwargs["hidden_states"]
+            _local_captures.note(layer.mlp, hidden_TBH)
+        return torch.nn.Module.__call__(layer, *args, **kwargs)
+
+
+class _LocalCaptures:
+    """The MoE layers that ran training steps under ``MoEScopeGraphManager``, captured
+    together after ``--cuda-graph-warmup-steps`` such steps (at least one: the shape of a
+    micro-batch is known only once one has run)."""
+
+    def __init__(self):
+        self.pending: Dict[MoELayer, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self.captured = weakref.WeakSet()
+        self.trained_since_last_step = False
+        self.steps = 0
+
+    def note(self, moe_layer, hidden_TBH) -> None:
+        if moe_layer not in self.captured:
+            self.pending.setdefault(moe_layer, (tuple(hidden_TBH.shape), hidden_TBH.dtype))
+        self.trained_since_last_step = True
+
+    def end_of_step(self) -> None:
+        if not self.trained_since_last_step:
+            return  # an evaluation pass, or no such layer
+        self.trained_since_last_step = False
+        self.steps += 1
+        if not self.pending:
+            return
+        config = next(iter(self.pending)).config
+        if self.steps < max(1, config.cuda_graph_warmup_steps):
+            return
+        groups: Dict[Tuple, List[MoELayer]] = {}
+        for layer, key in self.pending.items():
+            groups.setdefault(key, []).append(layer)
+        self.pending = {}
+        for (shape, dtype), layers in groups.items():
+            self.captured.update(layers)
+            capture_moe_layers(layers, shape, dtype, config,
+                               f"after {_steps(self.steps)} (--cuda-graph-impl local)")
+
+
+_local_captures = _LocalCaptures()
+
+
+def create_cudagraphs():
+    """megatron-core's ``create_cudagraphs()`` (the schedules call it after every
+    forward-backward under ``--cuda-graph-impl local``), then the capture of the MoE layers
+    that ``MoEScopeGraphManager`` noted."""
+    result = _STOCK_CREATE_CUDAGRAPHS()
+    _local_captures.end_of_step()
+    return result
+
+
+def _builds_moe_layer(spec) -> bool:
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return isinstance(module, type) and issubclass(module, MoELayer)
+
+
+def _manager_factory(layer_class):
+    stock_factory = _STOCK_MANAGER_FACTORIES[layer_class]
+
+    def create_mcore_cudagraph_manager(self, config):
+        if graphs_dropless_moe(config) and _builds_moe_layer(self.submodules_config.mlp):
+            self.cudagraph_manager = MoEScopeGraphManager()
+        else:
+            stock_factory(self, config)
+
+    create_mcore_cudagraph_manager.__doc__ = (
+        f"{layer_class.__name__}'s graph manager factory; a dropless MoE layer under the moe "
+        "scope gets MoEScopeGraphManager (the patch set's capture), anything else the stock one.")
+    return create_mcore_cudagraph_manager
+
+
+def replacements():
+    """F11's patches for ``apply()``: megatron-core's graph entry points, so that every loop
+    reaches ``capture_moe_layers``. Module-level names are (stock, patched) pairs; the layer
+    classes' manager factories are (class, attribute, patched) triples: they are methods,
+    which no module-level name holds."""
+    return [
+        (_STOCK_TE_HELPER, MoEScopeGraphHelper),
+        (_STOCK_CREATE_CUDAGRAPHS, create_cudagraphs),
+        *((cls, "create_mcore_cudagraph_manager", _manager_factory(cls)) for cls in _STOCK_MANAGER_FACTORIES),
+    ]

@@ -12,7 +12,9 @@ dispatcher), ``experts`` (F3: the one experts class; F4, F5, F8 and F10 are its 
 and options, so they require F3 and install nothing of their own), ``hybridep_blocks`` (F2),
 ``grouped_checkpoint_keys`` (F6) and ``grouped_optimizer_state`` (F7). F10 is another
 experts backend (FP8 on F8's sync-free path). F11 captures the sync-free MoE layer in CUDA
-graphs: its config rule lives in C0's validation, its capture in ``moe_cuda_graph``. F12 is
+graphs: its config rule lives in C0's validation, its capture in ``moe_cuda_graph``, which
+installs it behind megatron-core's graph entry points (the TE graph helper, the layers'
+graph-manager factory and ``create_cudagraphs``). F12 is
 an option of the alltoall dispatcher (F1's class): its exchange lives in ``symmetric_exchange``.
 """
 
@@ -249,7 +251,10 @@ SERIES: Tuple[Feature, ...] = (
         changes="cuda_graph_scope=moe accepted for dropless MoE where graph_blocker allows it (EP 1 or "
         "EP > 1 through F12's exchange, alltoall/allgather, grouped_mm or fp8_grouped_mm experts); the "
         "layer's forward and backward captured as CUDA graphs with gradients of parameter aliases "
-        "(MoELayerGraphs).",
+        "(MoELayerGraphs). apply() installs the capture behind megatron-core's graph entry points "
+        "(TECudaGraphHelper for --cuda-graph-impl transformer_engine; the layers' "
+        "create_mcore_cudagraph_manager and create_cudagraphs() for local), so Megatron-LM's "
+        "training loop and this package's driver capture the same way.",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#4071 (seed 002)", "NVIDIA/Megatron-LM#2690 (paged stashing, named by seed 002)"),
         te_requirement="none (torch CUDA graphs; the sync-free path of F8/F10)",
@@ -259,7 +264,7 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_moe_cuda_graph.py, tests/gpu/test_moe_cuda_graph.py, "
         "tests/gpu/test_symmetric_exchange.py",
         module="megatron.moe_patches.moe_cuda_graph",
-        installs=(),
+        installs=("megatron.moe_patches.moe_cuda_graph",),
         requires=("C0", "F3", "F8"),
     ),
     Feature(

@@ -172,7 +172,7 @@ def fake_load(tmp_path, monkeypatch):
     (tmp_path / "iter_0000007").mkdir()
     (tmp_path / checkpointing.TRACKER).write_text("7")
     # Saved in another optimizer layout: only a load of the optimizer states must mind it.
-    common = {"args": {"moe_single_grouped_weight": True}, "iteration": 7, "opt_param_scheduler": {"num_steps": 70}}
+    common = {"args": {"moe_single_grouped_weight": True, "use_distributed_optimizer": True}, "iteration": 7, "opt_param_scheduler": {"num_steps": 70}}
     loads = []
     monkeypatch.setattr(checkpointing, "read_common_state", lambda path: common)
     monkeypatch.setattr(dist_checkpointing, "load",
@@ -215,7 +215,7 @@ def test_main_params_from_the_checkpoint_reach_every_optimizer_of_a_chain(fake_l
 
 def test_without_no_load_optim_the_optimizer_and_schedule_load_as_before(fake_load):
     run, loads = fake_load
-    with pytest.raises(ValueError, match="another parameter layout"):
+    with pytest.raises(ValueError, match="another expert parameter layout"):
         run()  # the optimizer states' layout is still checked
     _, optimizer, scheduler = run(moe_single_grouped_weight=True)
     assert list(loads[-1]) == ["model", "optimizer"]

@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.moe_patches.driver import checkpointing, compat
-from megatron.moe_patches.driver.arguments import check_args, params_dtype, parse_args, transformer_config_kwargs
+from megatron.moe_patches.driver.arguments import (
+    PROG,
+    check_args,
+    params_dtype,
+    parse_args,
+    transformer_config_kwargs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +37,14 @@ def _print_rank0(*parts) -> None:
         print(*parts, flush=True)
 
 
-def initialize(args: argparse.Namespace) -> None:
+def require_gpu(prog: str = PROG) -> None:
+    """The GPU check: the first thing after the arguments are parsed and validated."""
     if not torch.cuda.is_available():
-        raise SystemExit("pretrain_gpt.py needs a CUDA GPU (Transformer Engine and NCCL); none is visible here.")
+        raise SystemExit(f"{prog} needs a CUDA GPU (Transformer Engine and NCCL); none is visible here.")
+
+
+def initialize(args: argparse.Namespace) -> None:
+    require_gpu()
     if args.deterministic_mode:  # before CUDA and TE pick their kernels
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -344,28 +355,34 @@ def describe_moe_layers(gpt) -> str:
     return f"{len(layers)} MoE layers | experts: {backend} | EP {ep_size} exchange: {exchange}"
 
 
-def capture_moe_layers(gpt, args):
-    """--cuda-graph-scope moe (F11): every MoE layer's forward and backward as CUDA graphs for
-    the training micro-batch's shape, captured between two steps and replayed from then on."""
-    from megatron.core.fp8_utils import get_fp8_context
+def moe_graph_helper(model, gpt, optimizer, args):
+    """--cuda-graph-impl transformer_engine: megatron-core's TE graph helper, built and called
+    as Megatron-LM's training loop does (apply() installs the MoE capture behind it, F11).
+    --cuda-graph-impl local needs nothing here: megatron-core's schedules call
+    create_cudagraphs() after every forward-backward, and the capture happens there."""
+    from megatron.core.transformer import cuda_graphs
 
-    from megatron.moe_patches.moe_cuda_graph import MoELayerGraphs, moe_layers
+    if args.cuda_graph_impl != "transformer_engine":
+        return None
+    return cuda_graphs.TECudaGraphHelper(model=[model], config=gpt.config, seq_length=args.seq_length,
+                                         micro_batch_size=args.micro_batch_size, optimizers=[optimizer])
 
-    config = gpt.config
-    layers = moe_layers(gpt)
-    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
-    sample = torch.randn(shape, dtype=config.params_dtype, device="cuda")
-    tick = time.time()
-    graphs = MoELayerGraphs(layers, sample, context=lambda: get_fp8_context(config)).install()
-    _print_rank0(f"moe_patches: captured {len(layers)} MoE layers as CUDA graphs (forward and backward, "
-                 f"input {list(shape)}) after {args.cuda_graph_warmup_steps} eager steps, in "
-                 f"{time.time() - tick:.1f} s")
-    return graphs
+
+def warn_if_graphs_never_replay(captures, checked: set) -> None:
+    """One warning for MoE layer graphs that did not replay in the whole step after their capture."""
+    for graphs in captures:
+        if id(graphs) not in checked:
+            checked.add(id(graphs))
+            if not graphs.replays:
+                logger.warning("moe_patches: the captured MoE layer graphs did not replay in the step after "
+                               "the capture (every call ran eagerly: another input shape or a padding mask)")
 
 
 def pretrain(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.moe_patches.moe_cuda_graph import active_captures
 
     gpt, model, optimizer, scheduler = setup(args)
     iteration = 0
@@ -383,13 +400,11 @@ def pretrain(args: argparse.Namespace) -> None:
     num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     forward_backward = get_forward_backward_func()
     started, last_saved, tensorboard = time.time(), None, None
-    steps_run, moe_graphs = 0, None
+    steps_run, graph_helper, graphs_checked = 0, moe_graph_helper(model, gpt, optimizer, args), set()
     while iteration < args.train_iters:
-        if args.cuda_graph_impl != "none" and steps_run == args.cuda_graph_warmup_steps:
-            moe_graphs = capture_moe_layers(gpt, args)
-        elif moe_graphs is not None and steps_run == args.cuda_graph_warmup_steps + 1 and not moe_graphs.replays:
-            logger.warning("moe_patches: the captured MoE layer graphs did not replay in the step after the "
-                           "capture (every call ran eagerly: another input shape or a padding mask)")
+        if graph_helper is not None and not graph_helper.graphs_created() and steps_run == args.cuda_graph_warmup_steps:
+            graph_helper.create_cudagraphs()
+        captured_before_step = active_captures()
         steps_run += 1
         torch.cuda.synchronize()
         tick = time.time()
@@ -410,6 +425,7 @@ def pretrain(args: argparse.Namespace) -> None:
             times["forward-backward"] = time.time() - tick
         # With --log-num-zeros-in-grad megatron-core counts the zeros of the main grads here,
         # after backward and clipping, before the update (Megatron-LM's num-zeros).
+        warn_if_graphs_never_replay(captured_before_step, graphs_checked)
         _, grad_norm, num_zeros = optimizer.step()
         scheduler.step(increment=args.global_batch_size)
         iteration += 1
@@ -445,11 +461,14 @@ def pretrain(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
-    """pretrain_gpt.py: parse the flags (``--help`` needs no GPU), then train."""
-    pretrain(parse_args(argv))
+def main(argv=None, prog: str = PROG) -> int:
+    """pretrain_gpt.py: parse and validate the flags (``--help`` needs no GPU), check for a
+    GPU, then train. ``prog``: the command the user ran (its usage and error lines name it)."""
+    args = parse_args(argv, prog=prog)
+    require_gpu(prog)
+    pretrain(args)
     return 0
 
 
 if __name__ == "__main__":  # dist_checkpointing re-imports __main__ in worker processes
-    sys.exit(main())
+    sys.exit(main(prog="python -m megatron.moe_patches.driver.training"))

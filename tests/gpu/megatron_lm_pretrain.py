@@ -1,0 +1,38 @@
+"""Megatron-LM's own pretrain_gpt.py (from the checkout MEGATRON_LM_PATH names) with the lines
+README's "Training with Megatron-LM's own pretrain_gpt.py" tells a user to add, run as the
+user would run the edited file: ``python megatron_lm_pretrain.py <Megatron-LM flags>``
+(``MEGATRON_LM_AS_SHIPPED=1``: the file unedited, for stock runs to compare with)."""
+
+import os
+import sys
+
+EDIT_FROM = 'if __name__ == "__main__":\n'
+EDIT_TO = EDIT_FROM + "    megatron_lm.enable()\n"
+IMPORT = "from megatron.moe_patches import megatron_lm\n"
+
+
+def edited_source(path: str) -> str:
+    source = open(path).read()
+    if source.count(EDIT_FROM) != 1:
+        raise SystemExit(f"{path}: the line README edits is not there once: {EDIT_FROM}")
+    return IMPORT + source.replace(EDIT_FROM, EDIT_TO)
+
+
+def _use_prebuilt_dataset_helpers():
+    """megatron-core's wheel ships its compiled dataset helpers but not their Makefile, which
+    Megatron-LM's start-up runs; the prebuilt module is what the build would produce."""
+    from megatron.core.datasets import helpers_cpp  # noqa: F401  (fails here if it is missing)
+    from megatron.core.datasets import utils
+
+    if not os.path.exists(os.path.join(os.path.dirname(utils.__file__), "Makefile")):
+        utils.compile_helpers = lambda: None
+
+
+if __name__ == "__main__":
+    checkout = os.environ["MEGATRON_LM_PATH"]
+    sys.path.insert(0, checkout)
+    _use_prebuilt_dataset_helpers()
+    path = os.path.join(checkout, "pretrain_gpt.py")
+    sys.argv[0] = path
+    source = open(path).read() if os.environ.get("MEGATRON_LM_AS_SHIPPED") == "1" else edited_source(path)
+    exec(compile(source, path, "exec"), {"__name__": "__main__", "__file__": path})

@@ -1,0 +1,126 @@
+"""Every feature in Megatron-LM's own training loop (core_v0.16.1): its pretrain_gpt.py with the
+lines README adds (megatron_lm_pretrain.py), a tiny GPT-MoE on mock data.
+
+- CUDA graphs of the MoE layers (F11) under --cuda-graph-impl local and transformer_engine:
+  every MoE layer is captured (the count the patch set prints) and the losses equal the eager
+  run's, bf16 and FP8 (the replays compute what the eager layers compute, bit for bit).
+- Resumes that change the experts' parameter layout: refused by name with Megatron-LM's
+  default optimizer format (dp_reshardable), exact with --dist-ckpt-optim-fully-reshardable.
+- --use-checkpoint-args restores the patch flags.
+
+Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(
+    not CHECKOUT or not Path(CHECKOUT, "pretrain_gpt.py").exists(),
+    reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.1 checkout",
+)
+
+LAYERS = 2
+TINY = [
+    "--num-layers", str(LAYERS), "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
+    "--max-position-embeddings", "256", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256", "--moe-grouped-gemm",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion", "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "1e-2", "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--bf16",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--lr-decay-iters", "20",
+    "--hidden-dropout", "0", "--attention-dropout", "0",  # the local graphs' RNG tracker draws other numbers
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096", "--split", "100,0,0",
+    "--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--transformer-impl", "transformer_engine",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "100000", "--seed", "1234",
+    "--deterministic-mode", "--distributed-timeout-minutes", "5",
+]
+FAST = ["--moe-device-tokens-per-expert"]
+FP8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+
+
+def graphs(impl):
+    return ["--cuda-graph-impl", impl, "--cuda-graph-scope", "moe", "--cuda-graph-warmup-steps", "2"]
+
+
+def megatron_lm(*flags, iters=8, expect_failure=False, stock=False):
+    """One torchrun of Megatron-LM's pretrain_gpt.py (edited as README says, or as shipped with
+    ``stock``); (losses by iteration, output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
+           str(HERE / "megatron_lm_pretrain.py"), *TINY, "--train-iters", str(iters), *flags]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")
+    env.setdefault("NCCL_ALGO", "Ring")  # --deterministic-mode asks for a fixed NCCL algorithm
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), CHECKOUT]))
+    if stock:
+        env["MEGATRON_LM_AS_SHIPPED"] = "1"
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    output = run.stdout + run.stderr
+    if expect_failure:
+        assert run.returncode != 0, output[-3000:]
+        return {}, output
+    assert run.returncode == 0, output[-6000:]
+    losses = {int(m.group(1)): m.group(2)
+              for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", run.stdout)}
+    assert len(losses) == iters, output[-3000:]
+    return losses, output
+
+
+def _port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def captured_layers(output):
+    counts = [int(n) for n in re.findall(r"moe_patches: captured (\d+) MoE layers as CUDA graphs", output)]
+    return counts
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_graphed_training_captures_every_moe_layer_and_equals_eager(impl, precision):
+    extra = FAST + (FP8 if precision == "fp8" else [])
+    eager, _ = megatron_lm(*extra)
+    graphed, output = megatron_lm(*extra, *graphs(impl))
+    print(f"{impl} {precision}: captured {captured_layers(output)} of {LAYERS} MoE layers; "
+          f"eager {eager}; graphed {graphed}")
+    assert captured_layers(output) == [LAYERS]
+    assert graphed == eager  # the printed losses, every iteration (replays are bitwise eager)
+
+
+def test_the_series_at_its_defaults_trains_as_stock_megatron_lm():
+    patched, _ = megatron_lm()
+    stock, _ = megatron_lm(stock=True)
+    assert patched == stock
+
+
+@pytest.mark.parametrize("fully_reshardable", [False, True])
+def test_a_resume_into_the_grouped_layout(tmp_path, fully_reshardable):
+    ckpt = tmp_path / "ckpt"
+    fmt = ["--dist-ckpt-optim-fully-reshardable"] if fully_reshardable else []
+    saved, _ = megatron_lm(*FAST, *fmt, "--save", str(ckpt), "--save-interval", "4", iters=4)
+    same, _ = megatron_lm(*FAST, *fmt, "--load", str(ckpt), iters=8)
+    if not fully_reshardable:
+        _, output = megatron_lm(*FAST, "--moe-single-grouped-weight", "--load", str(ckpt), iters=8, expect_failure=True)
+        assert "another expert parameter layout: --moe-single-grouped-weight False (checkpoint) vs True (now)" in output
+        return
+    grouped, _ = megatron_lm(*FAST, *fmt, "--moe-single-grouped-weight", "--load", str(ckpt), iters=8)
+    print(f"resumed per-expert {same}, grouped {grouped}")
+    assert sorted(grouped) == sorted(same) == [5, 6, 7, 8]
+    for step in same:  # the same states in another layout: the same training (other GEMM order)
+        assert float(grouped[step]) == pytest.approx(float(same[step]), rel=0.02)
+
+
+def test_use_checkpoint_args_restores_the_patch_flags(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    megatron_lm(*FAST, "--moe-single-grouped-weight", "--save", str(ckpt), "--save-interval", "4", iters=4)
+    _, output = megatron_lm("--load", str(ckpt), "--use-checkpoint-args", iters=6)
+    assert "moe_single_grouped_weight = True from the checkpoint's args" in output
+    assert "moe_device_tokens_per_expert = True from the checkpoint's args" in output

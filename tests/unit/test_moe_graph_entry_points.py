@@ -1,0 +1,221 @@
+"""F11 in any training loop, on CPU: apply() puts the patch set's MoE capture behind
+megatron-core's graph entry points (the TE graph helper; the layers' graph-manager factory and
+create_cudagraphs() for the local impl), and each entry point reaches it when, and only when,
+the config graphs dropless MoE layers. The capture itself is stood in for here (wiring only);
+graphs are proven on the GPU (tests/gpu/test_megatron_lm_client.py, test_moe_cuda_graph.py)."""
+
+import types
+
+import pytest
+import torch
+from megatron.core.transformer import cuda_graphs
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
+
+from megatron.moe_patches import apply, moe_cuda_graph, revert
+from megatron.moe_patches.config import PatchedTransformerConfig
+
+BASE = dict(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
+    ffn_hidden_size=64, moe_router_topk=2, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+    moe_permute_fusion=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+    add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, moe_device_tokens_per_expert=True,
+    cuda_graph_impl="transformer_engine", cuda_graph_scope="moe", cuda_graph_warmup_steps=2,
+)
+
+
+@pytest.fixture(autouse=True)
+def fused_permute_kernels(monkeypatch):
+    """megatron-core checks at config construction that TE's fused permute kernels exist."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        monkeypatch.setattr(moe_utils, name, object(), raising=False)
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """capture_moe_layers stood in for: what each call was asked to capture."""
+    calls = []
+
+    def capture(layers, shape, dtype, config, when):
+        calls.append(types.SimpleNamespace(layers=list(layers), shape=shape, dtype=dtype, when=when))
+        return types.SimpleNamespace(replays=0, uninstall=lambda: None)
+
+    monkeypatch.setattr(moe_cuda_graph, "capture_moe_layers", capture)
+    monkeypatch.setattr(moe_cuda_graph, "_local_captures", moe_cuda_graph._LocalCaptures())
+    return calls
+
+
+def config(**overrides):
+    return PatchedTransformerConfig(**{**BASE, **overrides})
+
+
+class _MoE(MoELayer):
+    """An MoE layer as far as isinstance goes (megatron-core's needs CUDA to be built)."""
+
+    def __init__(self, config):
+        torch.nn.Module.__init__(self)
+        self.config = config
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states * 2, None
+
+
+def model_with_moe_layers(config, count=2):
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_MoE(config) for _ in range(count)])
+    return model
+
+
+# --- apply() installs the entry points, revert() takes them back ------------------------------
+
+
+def test_apply_installs_the_capture_behind_every_graph_entry_point():
+    from megatron.core.pipeline_parallel import schedules
+
+    stock_factories = {cls: cls.__dict__["create_mcore_cudagraph_manager"] for cls in (TransformerLayer, MoETransformerLayer)}
+    stock_helper, stock_create = cuda_graphs.TECudaGraphHelper, schedules.create_cudagraphs
+    apply()
+    try:
+        assert cuda_graphs.TECudaGraphHelper is moe_cuda_graph.MoEScopeGraphHelper
+        # the schedules imported create_cudagraphs by name: that name is the one they call
+        assert schedules.create_cudagraphs is moe_cuda_graph.create_cudagraphs
+        for cls, stock in stock_factories.items():
+            assert cls.__dict__["create_mcore_cudagraph_manager"] is not stock
+        apply()  # twice is once: revert below must still find the stock objects
+    finally:
+        revert()
+    assert cuda_graphs.TECudaGraphHelper is stock_helper and schedules.create_cudagraphs is stock_create
+    for cls, stock in stock_factories.items():
+        assert cls.__dict__["create_mcore_cudagraph_manager"] is stock
+
+
+# --- --cuda-graph-impl transformer_engine: the TE graph helper ----------------------------------
+
+
+def test_te_helper_captures_the_moe_layers_with_the_micro_batch_shape(captures):
+    c = config(context_parallel_size=1)
+    model = model_with_moe_layers(c)
+    helper = moe_cuda_graph.MoEScopeGraphHelper(model=[model], config=c, seq_length=256, micro_batch_size=2,
+                                                optimizers=[])
+    assert isinstance(helper, moe_cuda_graph.MoEScopeGraphHelper) and not helper.graphs_created()
+    helper.create_cudagraphs()
+    assert helper.graphs_created() and len(captures) == 1
+    assert captures[0].layers == list(model.layers) and captures[0].shape == (256, 2, 64)
+    assert captures[0].dtype == torch.bfloat16 and "after 2 eager steps" in captures[0].when
+    helper.delete_cuda_graphs()
+    assert not helper.graphs_created()
+
+
+@pytest.mark.parametrize("overrides", [dict(cuda_graph_scope="attn"), dict(
+    moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True, moe_device_tokens_per_expert=False)])
+def test_te_helper_is_the_stock_one_where_no_dropless_moe_layer_is_graphed(overrides, captures, monkeypatch):
+    made = []
+
+    class StockHelper:
+        def __init__(self, *args):
+            made.append(args)
+
+    monkeypatch.setattr(moe_cuda_graph, "_STOCK_TE_HELPER", StockHelper)
+    c = config(**overrides)
+    helper = moe_cuda_graph.MoEScopeGraphHelper([torch.nn.Module()], c, 256, 2, [])
+    assert isinstance(helper, StockHelper) and made[0][1] is c and not captures
+
+
+# --- --cuda-graph-impl local: the layers' managers and create_cudagraphs() ----------------------
+
+
+def layer_with_mlp(mlp_spec, config, factory_class=TransformerLayer):
+    layer = types.SimpleNamespace(submodules_config=types.SimpleNamespace(mlp=mlp_spec), config=config)
+    moe_cuda_graph._manager_factory(factory_class)(layer, config)
+    return layer
+
+
+@pytest.mark.parametrize("factory_class", [TransformerLayer, MoETransformerLayer])
+def test_a_dropless_moe_layer_gets_the_patch_sets_manager(factory_class):
+    c = config(cuda_graph_impl="local")
+    layer = layer_with_mlp(ModuleSpec(module=MoELayer), c, factory_class)
+    assert isinstance(layer.cudagraph_manager, moe_cuda_graph.MoEScopeGraphManager)
+
+
+def test_a_dense_layer_under_the_moe_scope_gets_what_megatron_core_gives_it():
+    layer = layer_with_mlp(ModuleSpec(module=MLP), config(cuda_graph_impl="local"))
+    assert not hasattr(layer, "cudagraph_manager")  # megatron-core graphs no dense MLP for scope moe
+
+
+def test_local_graphs_capture_after_the_warmup_training_steps_only(captures):
+    c = config(cuda_graph_impl="local", cuda_graph_warmup_steps=2)
+    model = model_with_moe_layers(c)
+    manager = moe_cuda_graph.MoEScopeGraphManager()
+    hosts = [types.SimpleNamespace(mlp=moe, training=True) for moe in model.layers]
+
+    def step(training=True):
+        with torch.set_grad_enabled(training):
+            for host in hosts:
+                host.training = training
+                calls = []
+                host.forward = lambda *a, **k: calls.append(a) or "out"
+                # megatron-core calls the manager with the layer and its call's args and kwargs
+                out = manager(_Callable(host), (torch.zeros(16, 2, 64, dtype=torch.bfloat16),), {})
+                assert out == "out"
+        moe_cuda_graph.create_cudagraphs()
+
+    step()
+    step(training=False)  # an evaluation pass is not a warm-up step
+    assert not captures
+    step()
+    assert len(captures) == 1 and captures[0].layers == list(model.layers)
+    assert captures[0].shape == (16, 2, 64) and "after 2 eager steps" in captures[0].when
+    step()
+    assert len(captures) == 1  # once
+
+
+class _Callable(torch.nn.Module):
+    """A stand-in transformer layer whose forward is its host's (Module.__call__ runs it)."""
+
+    def __init__(self, host):
+        super().__init__()
+        self.host = host
+        self.training = host.training
+
+    @property
+    def mlp(self):
+        return self.host.mlp
+
+    def forward(self, *args, **kwargs):
+        return self.host.forward(*args, **kwargs)
+
+
+def test_create_cudagraphs_runs_megatron_cores_own_first(monkeypatch, captures):
+    order = []
+    monkeypatch.setattr(moe_cuda_graph, "_STOCK_CREATE_CUDAGRAPHS", lambda: order.append("stock") or "stats")
+    monkeypatch.setattr(moe_cuda_graph._LocalCaptures, "end_of_step", lambda self: order.append("moe"))
+    assert moe_cuda_graph.create_cudagraphs() == "stats" and order == ["stock", "moe"]
+
+
+# --- the config rule -----------------------------------------------------------------------------
+
+
+def test_other_scopes_beside_moe_are_refused_by_name():
+    with pytest.raises(ValueError, match="use --cuda-graph-scope moe alone"):
+        config(cuda_graph_scope=["attn", "moe"])
+
+
+# --- a replay runs the forward pre-hooks of the submodules it skips -------------------------------
+
+
+def test_a_replay_runs_the_skipped_submodules_forward_pre_hooks(monkeypatch):
+    monkeypatch.setattr(moe_cuda_graph._Replay, "apply", staticmethod(lambda captured, x, *params: "replayed"))
+    layer = _MoE(config())
+    seen = []
+    layer.proj.register_forward_pre_hook(lambda module, args: seen.append(("proj", args)))
+    layer.register_forward_pre_hook(lambda module, args: seen.append(("layer", len(args))))
+    captured = types.SimpleNamespace(params=list(layer.parameters()), replays=0)
+    layer.forward = moe_cuda_graph._graphed_forward(layer, captured, (8, 2, 4), torch.float32)
+    assert layer(torch.zeros(8, 2, 4)) == ("replayed", None)
+    assert seen == [("layer", 1), ("proj", ())]
