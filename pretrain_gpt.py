@@ -8,4 +8,4 @@ import sys
 from megatron.moe_patches.driver.cli import pretrain_main
 
 if __name__ == "__main__":  # dist_checkpointing re-imports __main__ in worker processes
-    sys.exit(pretrain_main())
+    sys.exit(pretrain_main(prog="pretrain_gpt.py"))

@@ -2,7 +2,8 @@
 of this package, so every module may import it).
 
 ``MoEPatchFields`` is the dataclass mixin the patched configs inherit (``config.py``);
-``metadata["help"]`` is each field's --help text. Feature code reads a field with
+``metadata["help"]`` is each field's --help text (``metadata["argparse_meta"]`` repeats it
+for Megatron-LM's flag generator). Feature code reads a field with
 ``patch_option(config, name)``, which also answers for configs built from megatron-core's
 stock classes (they lack the fields: the default applies). ``log_once`` is the one
 "say it once per process" helper the patch modules share.
@@ -18,7 +19,11 @@ DEVICE_SPLITS_ENV_ALIAS = "NVTE_USE_GROUPED_GEMM_TRITON"
 
 
 def _field(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+    # Megatron-LM generates a flag for each field of the config class and passes
+    # ``metadata["argparse_meta"]`` on to ``add_argument``: through it, the patch flags it makes
+    # from the patched config carry this help too (its other source, a field docstring in the
+    # class's own source, does not reach fields inherited from a second base class).
+    return dataclasses.field(default=default, metadata={"help": help, "argparse_meta": {"help": help}})
 
 
 @dataclass

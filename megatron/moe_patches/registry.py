@@ -197,7 +197,9 @@ SERIES: Tuple[Feature, ...] = (
         title="DistributedOptimizer grouped tensors",
         changes="Optimizers map a grouped param to its per-expert checkpoint entries (one factory), "
         "so main params and Adam states save and load per expert, across grouped/indexed layouts; "
-        "main params reload from a state dict in either layout.",
+        "main params reload from a state dict in either layout; the distributed optimizer records "
+        "its expert layout beside its bucket-format (dp_reshardable) states and refuses a load into "
+        "another layout by name.",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4324"),
         te_requirement="none beyond F5",
@@ -207,7 +209,8 @@ SERIES: Tuple[Feature, ...] = (
         )
         is not None,
         page="patches/F7-distopt-grouped.md",
-        test="tests/unit/test_grouped_optimizer_state.py, tests/gpu/test_grouped_checkpoint_round_trips.py",
+        test="tests/unit/test_grouped_optimizer_state.py, tests/unit/test_optimizer_bucket_layout.py, "
+        "tests/gpu/test_grouped_checkpoint_round_trips.py, tests/gpu/test_megatron_lm_client.py",
         module="megatron.moe_patches.grouped_optimizer_state",
         installs=("megatron.moe_patches.grouped_optimizer_state",),
     ),
@@ -261,8 +264,8 @@ SERIES: Tuple[Feature, ...] = (
         te_probe=None,
         native=lambda: False,
         page="patches/F11-moe-cuda-graph.md",
-        test="tests/unit/test_moe_cuda_graph.py, tests/gpu/test_moe_cuda_graph.py, "
-        "tests/gpu/test_symmetric_exchange.py",
+        test="tests/unit/test_moe_cuda_graph.py, tests/unit/test_moe_graph_entry_points.py, "
+        "tests/gpu/test_moe_cuda_graph.py, tests/gpu/test_symmetric_exchange.py, tests/gpu/test_megatron_lm_client.py",
         module="megatron.moe_patches.moe_cuda_graph",
         installs=("megatron.moe_patches.moe_cuda_graph",),
         requires=("C0", "F3", "F8"),

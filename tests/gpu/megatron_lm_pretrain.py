@@ -18,10 +18,9 @@ def edited_source(path: str) -> str:
     return IMPORT + source.replace(EDIT_FROM, EDIT_TO)
 
 
-def _use_prebuilt_dataset_helpers():
-    """megatron-core's wheel ships its compiled dataset helpers but not their Makefile, which
-    Megatron-LM's start-up runs; the prebuilt module is what the build would produce."""
-    from megatron.core.datasets import helpers_cpp  # noqa: F401  (fails here if it is missing)
+def _stock_run_on_the_wheel():
+    """An as-shipped run has no enable(), which skips Megatron-LM's build of the dataset helpers
+    that megatron-core's wheel ships compiled (without their Makefile): skip it here alike."""
     from megatron.core.datasets import utils
 
     if not os.path.exists(os.path.join(os.path.dirname(utils.__file__), "Makefile")):
@@ -31,8 +30,10 @@ def _use_prebuilt_dataset_helpers():
 if __name__ == "__main__":
     checkout = os.environ["MEGATRON_LM_PATH"]
     sys.path.insert(0, checkout)
-    _use_prebuilt_dataset_helpers()
     path = os.path.join(checkout, "pretrain_gpt.py")
     sys.argv[0] = path
-    source = open(path).read() if os.environ.get("MEGATRON_LM_AS_SHIPPED") == "1" else edited_source(path)
+    as_shipped = os.environ.get("MEGATRON_LM_AS_SHIPPED") == "1"
+    if as_shipped:
+        _stock_run_on_the_wheel()
+    source = open(path).read() if as_shipped else edited_source(path)
     exec(compile(source, path, "exec"), {"__name__": "__main__", "__file__": path})

@@ -1,10 +1,15 @@
 """Helpers of the driver's CPU tests: one rank, a one-rank process group, and what a refused
 command line prints."""
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+# Test modules import their shared helpers (driver_model) from this folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ERROR = "pretrain_gpt.py: error: "
 

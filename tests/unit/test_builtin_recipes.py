@@ -8,6 +8,8 @@ import yaml
 from megatron.moe_patches.driver.arguments import parse_args
 from megatron.moe_patches.driver.builtin_recipes import UnknownRecipe, builtin_recipes, recipe_path, resolve
 
+from driver_model import REQUIRED
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "megatron" / "moe_patches" / "recipes"
 NAMES = ["deepseek-v2-lite-proxy", "mixtral-proxy", "qwen3-30b-a3b-proxy", "tiny-moe", "tiny-moe-nested"]
@@ -32,11 +34,11 @@ def test_name_finds_the_builtin_recipe(tmp_path, monkeypatch):
 def test_a_path_still_works_and_wins_over_a_name(tmp_path, monkeypatch):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(yaml.safe_dump({"num-experts": 4, "hidden-size": 64, "num-attention-heads": 4}))
-    assert parse_args(["--yaml-cfg", str(recipe)]).num_experts == 4
+    assert parse_args([*REQUIRED, "--yaml-cfg", str(recipe)]).num_experts == 4
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny-moe").write_text(yaml.safe_dump({"num-experts": 2}))
     assert resolve("tiny-moe") == "tiny-moe"  # an existing file is that file
-    assert parse_args(["--yaml-cfg", "tiny-moe"]).num_experts == 2
+    assert parse_args([*REQUIRED, "--yaml-cfg", "tiny-moe"]).num_experts == 2
 
 
 @pytest.mark.parametrize("value", ["tiny", "no/such/dir/tiny-moe.yaml", "examples/recipes/tiny-moe.yaml"])

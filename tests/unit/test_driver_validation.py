@@ -13,14 +13,17 @@ from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.driver import arguments
 from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs, validate_config
 
+from driver_model import REQUIRED, RUN
+
 pytestmark = pytest.mark.usefixtures("one_rank")
 
 ROOT = Path(__file__).resolve().parents[2]
 ERROR = "pretrain_gpt.py: error: "
 # The tiny MoE of the shipped recipe, as flags (no fused permute: that asks TE on CPU).
-MOE = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "4",
-       "--swiglu", "--disable-bias-linear", "--num-experts", "8", "--moe-ffn-hidden-size", "512",
-       "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--bf16"]
+MOE_MODEL = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "4",
+             "--swiglu", "--disable-bias-linear", "--num-experts", "8", "--moe-ffn-hidden-size", "512",
+             "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--bf16"]
+MOE = [*RUN, *MOE_MODEL]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -42,9 +45,21 @@ MOE = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "1024",
      "--global-batch-size 6 must be a multiple of --micro-batch-size x data-parallel size = 4"),
     (["--hidden-size", "100", "--num-attention-heads", "8"],
      "--hidden-size 100 must be divisible by --num-attention-heads 8 (or set --kv-channels)"),
-    (["--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 8"),
+    (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 8"),
     (["--seq-length", "1024", "--max-position-embeddings", "512"],
-     "--max-position-embeddings 512 is below --seq-length 1024: raise it (or use --position-embedding-type rope)"),
+     "--max-position-embeddings 512 is below --seq-length 1024: raise it"),
+    (["--seq-length", "1024", "--max-position-embeddings", "512", "--position-embedding-type", "rope"],
+     "--max-position-embeddings 512 is below --seq-length 1024: raise it"),  # Megatron-LM's rule for RoPE too
+    (["--num-query-groups", "4"], "--num-query-groups 4 takes effect only with --group-query-attention (as in "
+     "Megatron-LM): add it, or drop --num-query-groups"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"],
+     "--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one"),
+    (["--fp8-recipe", "tensorwise"], "--fp8-recipe needs --fp8-format"),
+    (["--moe-router-topk", "4"], "--moe-router-topk needs --num-experts"),
+    (["--num-experts", "8", "--moe-token-drop-policy", "position"],
+     "--moe-token-drop-policy needs --moe-expert-capacity-factor"),
+    (["--recompute-method", "uniform"], "--recompute-method needs --recompute-granularity"),
+    (["--fp32-residual-connection"], "--fp32-residual-connection needs --bf16"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1 needs --num-experts (an MoE model)"),
     (["--moe-ffn-hidden-size", "64"], "--moe-ffn-hidden-size needs --num-experts"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 exceeds --num-experts 4"),
@@ -53,7 +68,16 @@ MOE = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "1024",
     (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint needs --load (the checkpoint directory)"),
 ])
 def test_bad_flags_are_refused_before_start_up(argv, message, refused):
-    assert refused(argv) == message
+    assert refused([*REQUIRED, *argv]) == message
+
+
+def test_megatron_lm_required_flags_are_required(refused):
+    assert refused([]) == (
+        "--num-layers, --hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings, --vocab-size, "
+        "--micro-batch-size, --train-iters, --lr: required (Megatron-LM has no default for them); give them on the "
+        "command line or in the --yaml-cfg recipe")
+    assert refused(REQUIRED[2:]) == ("--num-layers: required (Megatron-LM has no default for it); give it on the "
+                                     "command line or in the --yaml-cfg recipe")
 
 
 @pytest.mark.parametrize("world, argv, message", [
@@ -95,7 +119,7 @@ def test_bad_flags_are_refused_before_start_up(argv, message, refused):
 ])
 def test_parallel_sizes_are_checked_against_world_size(world, argv, message, capsys, monkeypatch, refused):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    assert refused(argv) == message
+    assert refused([*REQUIRED, *argv]) == message
 
 
 def test_parallel_sizes_that_fit_the_world_pass(monkeypatch):
@@ -106,7 +130,7 @@ def test_parallel_sizes_that_fit_the_world_pass(monkeypatch):
 
 def test_bad_world_size_variable(capsys, monkeypatch, refused):
     monkeypatch.setenv("WORLD_SIZE", "abc")
-    assert refused([]) == "WORLD_SIZE='abc' (set by the launcher) is not a positive integer"
+    assert refused(REQUIRED) == "WORLD_SIZE='abc' (set by the launcher) is not a positive integer"
 
 
 def test_patch_checks_run_before_start_up(capsys, refused):
@@ -117,7 +141,7 @@ def test_patch_checks_run_before_start_up(capsys, refused):
     assert refused([*MOE, "--moe-hybridep-num-blocks-permute", "0"]) == (
         "Invalid MoE patch configuration: moe_hybridep_num_blocks_permute=0 must be a positive integer, or None "
         "to let HybridEP choose. [--moe-hybridep-num-blocks-permute]")
-    assert refused(["--num-experts", "8", "--moe-single-grouped-weight"]).startswith(
+    assert refused([*REQUIRED, "--num-experts", "8", "--moe-single-grouped-weight"]).startswith(
         "Invalid MoE patch configuration: moe_single_grouped_weight=True needs TE grouped experts")
 
 
@@ -133,7 +157,7 @@ def test_patch_message_wins_over_megatron_core_asserts(capsys, monkeypatch, refu
     """Op fuser with ETP 2 and expert biases: megatron-core's own bare assert ("Bias in Moe
     is only supported when ETP==1") fires first at construction; the patch set's message is
     the one reported."""
-    argv = ["--num-experts", "8", "--moe-grouped-gemm", "--swiglu", "--use-transformer-engine-op-fuser",
+    argv = [*REQUIRED, "--num-experts", "8", "--moe-grouped-gemm", "--swiglu", "--use-transformer-engine-op-fuser",
             "--expert-tensor-parallel-size", "2"]
     monkeypatch.setenv("WORLD_SIZE", "2")
     kwargs = transformer_config_kwargs(parser_only(argv))
@@ -148,7 +172,8 @@ def test_patch_message_wins_over_megatron_core_asserts(capsys, monkeypatch, refu
 def parser_only(argv):
     """Parsed flags with derived defaults, none of parse_args' refusals."""
     args = arguments.build_parser().parse_args(argv)
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    arguments.apply_megatron_lm_rules(args)
+    args.ffn_hidden_size = args.ffn_hidden_size or arguments.megatron_lm_ffn_hidden_size(args)
     return args
 
 
@@ -190,7 +215,11 @@ def test_fp8_wgrad_flag_maps_into_the_config():
     fp8 = [*MOE, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
     assert transformer_config_kwargs(parse_args(fp8))["fp8_wgrad"] is True  # megatron-core's default
     assert transformer_config_kwargs(parse_args([*fp8, "--no-fp8-wgrad"]))["fp8_wgrad"] is False
-    assert "fp8_wgrad" not in transformer_config_kwargs(parse_args([*MOE, "--no-fp8-wgrad"]))  # no FP8: unread
+    assert "fp8_wgrad" not in transformer_config_kwargs(parse_args(MOE))  # no FP8: not set
+
+
+def test_fp8_settings_without_fp8_are_refused(refused):
+    assert refused([*MOE, "--no-fp8-wgrad"]) == "--no-fp8-wgrad needs --fp8-format"  # would change nothing
 
 
 def test_grouped_mm_single_grouped_weight_validates_on_cpu():
@@ -229,9 +258,9 @@ def test_router_fields_map_into_the_config():
 
 
 def test_moe_ffn_defaults_to_ffn_and_dense_models_have_no_router():
-    kwargs = transformer_config_kwargs(parse_args([*MOE[:12], *MOE[14:]]))  # without --moe-ffn-hidden-size
+    kwargs = transformer_config_kwargs(parse_args([*RUN, *MOE_MODEL[:12], *MOE_MODEL[14:]]))  # no --moe-ffn-hidden-size
     assert kwargs["moe_ffn_hidden_size"] == 1024
-    assert not any(k.startswith("moe_router") for k in transformer_config_kwargs(parse_args([])))
+    assert not any(k.startswith("moe_router") for k in transformer_config_kwargs(parse_args(REQUIRED)))
 
 
 class _FakeOptimizer:
@@ -255,19 +284,20 @@ def _scheduler(argv, monkeypatch):
 def test_warmup_equal_to_decay_is_refused_like_megatron_cores_scheduler(capsys, monkeypatch, refused):
     """megatron-core's scheduler needs warmup < decay: warmup == decay is refused before
     start-up, warmup == decay - 1 starts."""
-    argv = ["--train-iters", "10", "--lr-warmup-iters", "10", "--global-batch-size", "4"]
+    argv = [*REQUIRED, "--train-iters", "10", "--lr-warmup-iters", "10", "--global-batch-size", "4"]
     assert refused(argv) == (
         "--lr-warmup-iters 10 must be below --lr-decay-iters 10 (which defaults to --train-iters): shorten the "
         "warmup or set --lr-decay-iters")
     with pytest.raises(AssertionError):
         _scheduler(argv, monkeypatch)
-    assert refused(["--lr-decay-iters", "6", "--lr-warmup-iters", "6"]).startswith(
+    assert refused([*REQUIRED, "--lr-decay-iters", "6", "--lr-warmup-iters", "6"]).startswith(
         "--lr-warmup-iters 6 must be below --lr-decay-iters 6")
-    below = ["--train-iters", "10", "--lr-warmup-iters", "9", "--global-batch-size", "4"]
+    below = [*REQUIRED, "--train-iters", "10", "--lr-warmup-iters", "9", "--global-batch-size", "4"]
     assert parse_args(below).lr_decay_iters == 10
     scheduler = _scheduler(below, monkeypatch)
     assert (scheduler.lr_warmup_steps, scheduler.lr_decay_steps) == (9 * 4, 10 * 4)
-    assert parse_args(["--train-iters", "10", "--lr-warmup-iters", "10", "--lr-decay-iters", "11"]).lr_decay_iters == 11
+    assert parse_args([*REQUIRED, "--train-iters", "10", "--lr-warmup-iters", "10",
+                       "--lr-decay-iters", "11"]).lr_decay_iters == 11
 
 
 def run_pretrain(*argv, env=None):
@@ -280,10 +310,10 @@ def run_pretrain(*argv, env=None):
 
 
 def test_pretrain_gpt_exits_2_with_one_line_and_no_traceback():
-    run = run_pretrain("--micro-batch-size", "0")
+    run = run_pretrain(*REQUIRED, "--micro-batch-size", "0")
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines() == [ERROR + "--micro-batch-size 0: must be at least 1"]
-    run = run_pretrain("--num-experts", "8", "--moe-single-grouped-weight")
+    run = run_pretrain(*REQUIRED, "--num-experts", "8", "--moe-single-grouped-weight")
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.splitlines()[0].startswith(ERROR + "Invalid MoE patch configuration: moe_single_grouped_weight")
     run = run_pretrain("--num-layerz", "2")  # argparse's own errors: one line too

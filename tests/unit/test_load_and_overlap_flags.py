@@ -14,9 +14,11 @@ from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.driver import arguments, checkpointing, training
 from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs
 
+from driver_model import REQUIRED, RUN
+
 pytestmark = pytest.mark.usefixtures("one_rank")
 
-MOE = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "4",
+MOE = [*RUN, "--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "4",
        "--swiglu", "--disable-bias-linear", "--num-experts", "8", "--moe-ffn-hidden-size", "512",
        "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--bf16"]
 EP2 = ["--expert-model-parallel-size", "2"]
@@ -55,12 +57,12 @@ def test_flex_dispatcher_may_overlap_too(two_ranks):
 
 
 def test_load_flags_parse(checkpoint_dir):
-    args = parse_args(["--bf16", "--use-distributed-optimizer", "--load", checkpoint_dir, "--no-load-optim",
-                       "--load-main-params-from-ckpt"])
+    args = parse_args([*REQUIRED, "--bf16", "--use-distributed-optimizer", "--load", checkpoint_dir,
+                       "--no-load-optim", "--load-main-params-from-ckpt"])
     assert args.no_load_optim and args.load_main_params_from_ckpt
-    defaults = parse_args([])
+    defaults = parse_args(REQUIRED)
     assert not defaults.no_load_optim and not defaults.load_main_params_from_ckpt
-    assert parse_args(["--no-load-optim"]).no_load_optim  # as in Megatron-LM: harmless without --load
+    assert parse_args([*REQUIRED, "--no-load-optim"]).no_load_optim  # as in Megatron-LM: harmless without --load
 
 
 def test_router_padding_for_quantization_is_wired_and_refused_with_allgather(refused):
@@ -91,7 +93,7 @@ MAIN_PARAMS = ["--load-main-params-from-ckpt"]
      "optimizer cannot take main params from a state dict): add it or drop the flag"),
 ])
 def test_main_params_from_checkpoint_combinations_are_refused(argv, message, checkpoint_dir, refused):
-    assert refused([a.replace("{ckpt}", checkpoint_dir) for a in argv]) == message
+    assert refused([*REQUIRED, *(a.replace("{ckpt}", checkpoint_dir) for a in argv)]) == message
 
 
 @pytest.mark.parametrize("world, argv, message", [
@@ -118,7 +120,7 @@ def test_main_params_from_checkpoint_combinations_are_refused(argv, message, che
 ])
 def test_overlap_combinations_are_refused(world, argv, message, monkeypatch, refused):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    assert refused(argv) == message
+    assert refused([*REQUIRED, *argv]) == message
 
 
 def test_overlap_needs_torch_2_6(two_ranks, monkeypatch, refused):

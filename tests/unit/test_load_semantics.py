@@ -12,6 +12,8 @@ from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.driver.arguments import build_parser, parse_args
 from megatron.moe_patches.fields import PATCH_FIELDS
 
+from driver_model import REQUIRED
+
 ERROR = "pretrain_gpt.py: error: "
 WARNING = "pretrain_gpt.py: warning: "
 
@@ -42,15 +44,15 @@ def test_no_checkpoint_warns_once_and_trains_from_scratch(tmp_path, capsys, kind
         (root / "iter_0000004").mkdir()
     assert checkpointing.find_checkpoint(str(root)) == (None, reason)
     capsys.readouterr()
-    args = parsed(["--load", str(root)])
+    args = parsed([*REQUIRED, "--load", str(root)])
     assert args.load == str(root)
     err = capsys.readouterr().err.splitlines()
     assert err == [f"{WARNING}--load {root}: {reason}; training starts from scratch "
                    "(--exit-on-missing-checkpoint makes this an error)"]
-    assert refused(["--load", str(root), "--exit-on-missing-checkpoint"]) == (
+    assert refused([*REQUIRED, "--load", str(root), "--exit-on-missing-checkpoint"]) == (
         f"--load {root}: {reason}, and --exit-on-missing-checkpoint is set: point --load at a checkpoint "
         "directory, or drop --exit-on-missing-checkpoint to train from scratch")
-    assert refused(["--load", str(root), "--use-checkpoint-args"]) == (
+    assert refused([*REQUIRED, "--load", str(root), "--use-checkpoint-args"]) == (
         f"--use-checkpoint-args: --load {root} has no checkpoint to take the args from ({reason}); point "
         "--load at a checkpoint directory or drop --use-checkpoint-args")
 
@@ -58,7 +60,7 @@ def test_no_checkpoint_warns_once_and_trains_from_scratch(tmp_path, capsys, kind
 def test_warning_is_printed_by_rank_0_only(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     capsys.readouterr()
-    parse_args(["--load", str(tmp_path / "missing")])
+    parse_args([*REQUIRED, "--load", str(tmp_path / "missing")])
     assert capsys.readouterr().err == ""
 
 
@@ -66,7 +68,7 @@ def test_a_checkpoint_present_loads_quietly(tmp_path, capsys):
     root = checkpoint_root(tmp_path)
     assert checkpointing.find_checkpoint(str(root)) == (str(root / "iter_0000004"), None)
     capsys.readouterr()
-    parse_args(["--load", str(root), "--exit-on-missing-checkpoint"])
+    parse_args([*REQUIRED, "--load", str(root), "--exit-on-missing-checkpoint"])
     assert capsys.readouterr().err == ""
 
 
@@ -76,7 +78,7 @@ def test_a_checkpoint_present_loads_quietly(tmp_path, capsys):
 def test_load_that_is_a_file(tmp_path, refused):
     path = tmp_path / "notes.txt"
     path.write_text("hello")
-    assert refused(["--load", str(path)]) == (
+    assert refused([*REQUIRED, "--load", str(path)]) == (
         f"--load {path} is a file, not a checkpoint directory: point --load at the directory that holds "
         f"{checkpointing.TRACKER} and the iter_* directories")
 
@@ -87,7 +89,7 @@ def test_tracker_without_an_iteration_number(tmp_path, capsys, text, refused):
     tracker = root / checkpointing.TRACKER
     expected = (f"the checkpoint tracker {tracker} holds {text.strip()!r}, not an iteration number: write the "
                 "iteration of a saved checkpoint into it (e.g. 100 for iter_0000100) or point --load elsewhere")
-    assert refused(["--load", str(root)]) == expected
+    assert refused([*REQUIRED, "--load", str(root)]) == expected
     with pytest.raises(checkpointing.CheckpointError) as exc:
         checkpointing.latest_iteration(str(root))
     assert str(exc.value) == expected
@@ -96,21 +98,22 @@ def test_tracker_without_an_iteration_number(tmp_path, capsys, text, refused):
 def test_tracker_that_is_not_text(tmp_path, refused):
     root = checkpoint_root(tmp_path)
     (root / checkpointing.TRACKER).write_bytes(b"\xff\xfe4")
-    assert refused(["--load", str(root)]).startswith(
+    assert refused([*REQUIRED, "--load", str(root)]).startswith(
         f"cannot read the checkpoint tracker {root / checkpointing.TRACKER}:")
 
 
 def test_tracker_naming_a_missing_iteration(tmp_path, refused):
     root = checkpoint_root(tmp_path, tracker="40")
-    assert refused(["--load", str(root)]) == (
+    assert refused([*REQUIRED, "--load", str(root)]) == (
         f"the checkpoint tracker {root / checkpointing.TRACKER} names iteration 40, but {root / 'iter_0000040'} "
         "does not exist: write the iteration of a saved checkpoint into it")
 
 
 def test_use_checkpoint_args_needs_load_and_a_readable_checkpoint(tmp_path, refused):
-    assert refused(["--use-checkpoint-args"]) == "--use-checkpoint-args needs --load (the checkpoint directory)"
+    assert refused([*REQUIRED, "--use-checkpoint-args"]) == (
+        "--use-checkpoint-args needs --load (the checkpoint directory)")
     root = checkpoint_root(tmp_path)  # an iteration directory without megatron-core's files
-    assert refused(["--load", str(root), "--use-checkpoint-args"]).startswith(
+    assert refused([*REQUIRED, "--load", str(root), "--use-checkpoint-args"]).startswith(
         f"{root / 'iter_0000004'} holds no common state: neither common.pt nor")
 
 
@@ -151,7 +154,7 @@ def test_the_list_of_model_args_is_complete():
 
 
 def test_every_model_arg_and_every_patch_arg_is_restored_and_nothing_else():
-    args = parse_args(["--hidden-size", "128", "--num-layers", "4", "--num-attention-heads", "8"])
+    args = parse_args([*REQUIRED, "--hidden-size", "128", "--num-layers", "4", "--num-attention-heads", "8"])
     before = vars(args).copy()
     saved = {**before, **SAVED_MODEL_ARGS, **saved_patch_args(), **NOT_RESTORED}
     taken = checkpointing.restore_args(args, saved)
@@ -174,7 +177,7 @@ def test_model_args_override_the_command_line_patch_sizes_do_not():
 
 
 def test_old_checkpoints_without_an_arg_keep_the_current_value():
-    args = parse_args(["--hidden-size", "128"])
+    args = parse_args([*REQUIRED, "--hidden-size", "128"])
     taken = checkpointing.restore_args(args, {"num_layers": 3, "kv_channels": None})
     assert (args.num_layers, args.hidden_size, args.kv_channels) == (3, 128, None) and taken == ["num_layers"]
 
@@ -182,15 +185,16 @@ def test_old_checkpoints_without_an_arg_keep_the_current_value():
 def test_use_checkpoint_args_takes_them_before_validation(tmp_path, capsys, monkeypatch, refused):
     """parse_args takes the checkpoint's args before start-up, and validates the result."""
     root = checkpoint_root(tmp_path)
-    saved = vars(parse_args(["--hidden-size", "384", "--num-attention-heads", "12", "--num-layers", "6"])).copy()
+    saved = vars(parse_args([*REQUIRED, "--hidden-size", "384", "--num-attention-heads", "12",
+                             "--num-layers", "6"])).copy()
     monkeypatch.setattr(checkpointing, "read_common_state", lambda path: {"args": saved})
     capsys.readouterr()
-    args = parse_args(["--load", str(root), "--use-checkpoint-args", "--hidden-size", "64"])
+    args = parse_args([*REQUIRED, "--load", str(root), "--use-checkpoint-args", "--hidden-size", "64"])
     assert (args.hidden_size, args.num_attention_heads, args.num_layers, args.ffn_hidden_size) == (384, 12, 6, 1536)
     assert f"from {root / 'iter_0000004'}" in capsys.readouterr().out
     # The checkpoint's 12 heads do not split over 8 TP ranks: refused before start-up.
     monkeypatch.setenv("WORLD_SIZE", "8")
-    assert refused(["--load", str(root), "--use-checkpoint-args", "--tensor-model-parallel-size", "8",
+    assert refused([*REQUIRED, "--load", str(root), "--use-checkpoint-args", "--tensor-model-parallel-size", "8",
                     "--sequence-parallel"]) == (
         "--num-attention-heads 12 must be divisible by --tensor-model-parallel-size 8")
 

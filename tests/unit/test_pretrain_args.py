@@ -7,8 +7,10 @@ import yaml
 
 from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs
+from megatron.moe_patches.driver.arguments import build_parser, parse_args, transformer_config_kwargs
 from megatron.moe_patches.driver.recipes import RecipeError, flatten_recipe
+
+from driver_model import REQUIRED
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "megatron/moe_patches/recipes/tiny-moe.yaml")
@@ -57,8 +59,9 @@ def test_nested_unknown_key_and_bad_values(tmp_path, capsys):
 
 
 def test_duplicate_key_across_forms():
-    with pytest.raises(RecipeError, match="sets 'num_layers' twice"):
-        flatten_recipe({"num_layers": 2, "language_model": {"num_layers": 3}})
+    """One key at the top level and in a section: Megatron-LM's YAML reader stops on it too."""
+    with pytest.raises(RecipeError, match="'num_layers' is set both at the top level .* and in 'language_model'"):
+        flatten_recipe({"num_layers": 2, "language_model": {"num_layers": 3}}, build_parser())
 
 
 def test_unknown_flag_and_contradictions(capsys):
@@ -76,7 +79,7 @@ def test_unknown_flag_and_contradictions(capsys):
         (["--yaml-cfg", TINY, "--train-iters", "4"], "--lr-warmup-iters 10 must be below --lr-decay-iters 4"),
     ]:
         with pytest.raises(SystemExit):
-            parse_args(argv)
+            parse_args(argv if "--yaml-cfg" in argv else [*REQUIRED, *argv])
         assert message in capsys.readouterr().err, argv
 
 
@@ -94,7 +97,7 @@ def test_args_to_config():
 
 
 def test_dense_model_has_no_moe_fields():
-    kwargs = transformer_config_kwargs(parse_args([]))
+    kwargs = transformer_config_kwargs(parse_args(REQUIRED))
     assert "num_moe_experts" not in kwargs and kwargs["ffn_hidden_size"] == 4 * 512
 
 
@@ -102,7 +105,8 @@ def test_checkpoint_arg_restore():
     hybridep = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
     saved = vars(parse_args(["--yaml-cfg", TINY, "--use-transformer-engine-op-fuser", *hybridep,
                              "--moe-hybridep-num-blocks-permute", "32"])).copy()
-    args = parse_args(["--hidden-size", "1000", "--num-experts", "4", *hybridep, "--moe-hybridep-num-blocks-permute", "8"])
+    args = parse_args([*REQUIRED, "--hidden-size", "1000", "--num-experts", "4", *hybridep,
+                       "--moe-hybridep-num-blocks-permute", "8"])
     taken = checkpointing.restore_args(args, saved)
     assert args.hidden_size == 256 and args.num_experts == 8  # model shape: always the checkpoint's
     assert args.use_transformer_engine_op_fuser is True  # bool: forced past its False default

@@ -10,6 +10,8 @@ import pytest
 from megatron.moe_patches.driver import arguments, training
 from megatron.moe_patches.driver.arguments import parse_args
 
+from driver_model import REQUIRED
+
 
 def args(**overrides):
     namespace = argparse.Namespace(global_batch_size=16, seq_length=256, train_iters=100)
@@ -63,8 +65,8 @@ def test_num_zeros_only_when_counted(monkeypatch):
 
 
 def test_log_num_zeros_in_grad_flag(one_rank):
-    assert parse_args([]).log_num_zeros_in_grad is False
-    assert parse_args(["--log-num-zeros-in-grad"]).log_num_zeros_in_grad is True
+    assert parse_args(REQUIRED).log_num_zeros_in_grad is False
+    assert parse_args([*REQUIRED, "--log-num-zeros-in-grad"]).log_num_zeros_in_grad is True
 
 
 @pytest.mark.parametrize("flag", [True, False])
@@ -76,7 +78,7 @@ def test_the_optimizer_counts_zeros_only_with_the_flag(flag, one_rank, monkeypat
     seen = []
     monkeypatch.setattr(optimizer_module, "get_megatron_optimizer", lambda config, models: seen.append(config))
     monkeypatch.setattr(scheduler_module, "OptimizerParamScheduler", lambda *a, **k: None)
-    training.build_optimizer(parse_args(["--log-num-zeros-in-grad"] if flag else []), ddp_model=None)
+    training.build_optimizer(parse_args([*REQUIRED, "--log-num-zeros-in-grad"] if flag else REQUIRED), ddp_model=None)
     assert seen[0].log_num_zeros_in_grad is flag
 
 
@@ -91,11 +93,12 @@ def test_tensorboard_gets_every_metric_at_its_iteration():
 def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path, refused):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(arguments, "_tensorboard_installed", lambda: False)
-    assert refused(["--tensorboard-dir", str(tmp_path)]).startswith("--tensorboard-dir needs the tensorboard package")
+    assert refused([*REQUIRED, "--tensorboard-dir", str(tmp_path)]).startswith(
+        "--tensorboard-dir needs the tensorboard package")
     monkeypatch.setattr(arguments, "_tensorboard_installed", lambda: True)
-    assert parse_args(["--tensorboard-dir", str(tmp_path), "--timing-log-level", "1"]).timing_log_level == 1
+    assert parse_args([*REQUIRED, "--tensorboard-dir", str(tmp_path), "--timing-log-level", "1"]).timing_log_level == 1
 
 
 @pytest.mark.parametrize("level", ["2", "x"])
 def test_timing_level_choices(level, refused):
-    assert "--timing-log-level" in refused(["--timing-log-level", level])
+    assert "--timing-log-level" in refused([*REQUIRED, "--timing-log-level", level])

@@ -1,8 +1,13 @@
-"""pretrain_gpt.py's arguments: Megatron-LM flag spellings, recipes, checks, config mapping.
+"""pretrain_gpt.py's arguments: Megatron-LM 0.16.1's flags and defaults, recipes, checks,
+config mapping.
 
-``parse_args`` = defaults < ``--yaml-cfg`` recipe < command line, then, before any
-CUDA or NCCL work: ``check_load`` (what ``--load`` holds; ``--use-checkpoint-args``
-takes the checkpoint's model args here), ``check_args`` (flag contradictions, sizes,
+The flags the driver runs are defined here with Megatron-LM's names and defaults; its
+other flags come from ``megatron_lm_flags``, which refuses each by name where it asks
+for what the driver does not do. ``parse_args`` = defaults < ``--yaml-cfg`` recipe <
+command line, then, before any CUDA or NCCL work: ``first_refusal`` (those flags),
+``apply_megatron_lm_rules`` (what Megatron-LM makes of the flags as given),
+``check_load`` (what ``--load`` holds; ``--use-checkpoint-args`` takes the checkpoint's
+model args here), ``check_args`` (Megatron-LM's required flags, contradictions, sizes,
 parallel sizes against ``WORLD_SIZE``) and ``validate_config`` (the full TransformerConfig
 with the patch fields, built as ``training.setup`` builds it). Every refusal is one
 ``pretrain_gpt.py: error: ...`` line on stderr (more lines only where there are several
@@ -23,56 +28,112 @@ import os
 import re
 import sys
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.moe_patches.driver import checkpointing, compat
+from megatron.core.transformer.enums import AttnBackend
+
+from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import add_moe_patch_args, config_kwargs_from_args
-from megatron.moe_patches.driver.recipes import FIELD_ALIASES, RecipeError, apply_recipe, load_recipe
+from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
 
 
 def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=2, help="Number of transformer layers.")
-    model.add_argument("--hidden-size", type=int, default=512, help="Transformer hidden size (model width).")
+    model.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers (required).")
+    model.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size (model width; required).")
     model.add_argument("--ffn-hidden-size", type=int, default=None,
-                       help="Hidden size of the MLP's first projection (default: 4 x --hidden-size).")
-    model.add_argument("--num-attention-heads", type=int, default=8, help="Number of attention heads.")
-    model.add_argument("--num-query-groups", type=int, default=None,
-                       help="Number of key/value groups for grouped-query attention "
-                       "(default: one per attention head, i.e. multi-head attention).")
+                       help="Hidden size of the MLP's first projection (default: 4 x --hidden-size; with --swiglu "
+                       "2/3 of that, rounded down to a multiple of 64).")
+    model.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads (required).")
+    model.add_argument("--group-query-attention", action="store_true",
+                       help="Grouped-query attention with --num-query-groups key/value groups (without it: "
+                       "multi-head attention, one group per head).")
+    model.add_argument("--num-query-groups", type=int, default=1,
+                       help="Number of key/value groups; takes effect with --group-query-attention.")
     model.add_argument("--kv-channels", type=int, default=None,
                        help="Projection size of each attention head "
                        "(default: --hidden-size / --num-attention-heads).")
-    model.add_argument("--seq-length", type=int, default=512, help="Length of each training sample, in tokens.")
+    model.add_argument("--seq-length", type=int, default=None,
+                       help="Length of each training sample, in tokens (required).")
     model.add_argument("--max-position-embeddings", type=int, default=None,
-                       help="Longest sequence the position embeddings cover, in tokens (default: --seq-length).")
-    model.add_argument("--vocab-size", type=int, default=32000,
-                       help="Vocabulary size of the null tokenizer; the embedding table is padded to a "
-                       "multiple of 128 x --tensor-model-parallel-size.")
+                       help="Longest sequence the position embeddings cover, in tokens: at least --seq-length "
+                       "(required).")
+    model.add_argument("--vocab-size", type=int, default=None,
+                       help="Number of token ids, the last one the end of document (required); with "
+                       "--tokenizer-type NullTokenizer, Megatron-LM's count: ids 0 .. N, N the end of document. "
+                       "The embedding table is padded to a multiple of 128 x --tensor-model-parallel-size.")
+    model.add_argument("--tokenizer-type", choices=megatron_lm_flags.TOKENIZER_TYPES, default=None,
+                       help="NullTokenizer: token ids without a text tokenizer, --vocab-size counted as "
+                       "Megatron-LM's null tokenizer counts it (the only type offered here).")
     model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
                        help="Normalization layer type.")
+    model.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                       help="Epsilon of the normalization layers.")
+    model.add_argument("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma", action="store_true",
+                       help="Zero-centred normalization weights (1 + gamma), for numerical stability.")
     model.add_argument("--swiglu", action="store_true",
                        help="Use the SwiGLU gated activation in the MLPs instead of GeLU.")
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="Leave out the biases of the linear layers.")
-    model.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+    model.add_argument("--add-qkv-bias", action="store_true",
+                       help="Give the query/key/value projection a bias even with --disable-bias-linear.")
+    model.add_argument("--position-embedding-type", choices=megatron_lm_flags.POSITION_EMBEDDING_TYPES,
+                       default="learned_absolute",
                        help="Position embedding type: learned absolute embeddings or rotary (RoPE).")
     model.add_argument("--rotary-base", type=int, default=10000,
                        help="Base period of the rotary position embeddings (--position-embedding-type rope).")
+    model.add_argument("--rotary-interleaved", action="store_true",
+                       help="Rotate interleaved pairs of channels instead of the two halves (RoPE).")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Give the output layer its own weights instead of sharing the input embedding's.")
     model.add_argument("--qk-layernorm", action="store_true",
                        help="Normalize the queries and keys before computing the attention scores.")
     model.add_argument("--init-method-std", type=float, default=0.02,
                        help="Standard deviation of the normal distribution the weights are initialized from.")
+    model.add_argument("--embedding-init-method-std", type=float, default=None,
+                       help="Standard deviation for the embedding weights (default: --init-method-std).")
+    model.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                       help="Take the residual connection after the normalization instead of before it.")
+    model.add_argument("--fp32-residual-connection", action="store_true",
+                       help="Keep the residual stream in fp32 (needs --bf16).")
     model.add_argument("--hidden-dropout", type=float, default=0.1,
                        help="Dropout probability on the outputs of the attention and MLP blocks.")
     model.add_argument("--attention-dropout", type=float, default=0.1,
                        help="Dropout probability on the attention probabilities.")
-    model.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
+    model.add_argument("--transformer-impl", choices=megatron_lm_flags.TRANSFORMER_IMPLS, default="transformer_engine",
                        help="Transformer layer implementation: Transformer Engine's or megatron-core's own.")
+    model.add_argument("--attention-backend", type=megatron_lm_flags.attention_backend, default=AttnBackend.auto,
+                       help="Attention kernel: flash, fused, unfused, local or auto (Transformer Engine picks).")
+    model.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="Compute the language-model cross entropy with a fused kernel.")
+    model.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native",
+                       help="Fused cross entropy kernel (--cross-entropy-loss-fusion): megatron-core's or "
+                       "Transformer Engine's.")
+    model.add_argument("--no-clone-scatter-output-in-embedding", "--disable-clone-scatter-output-in-embedding",
+                       dest="clone_scatter_output_in_embedding", action="store_false",
+                       help="Do not clone the embedding's sequence-parallel scatter output (saves memory).")
+
+    recompute = parser.add_argument_group("activation recomputation")
+    recompute.add_argument("--recompute-activations", action="store_true",
+                           help="Recompute the attention core in the backward pass (--recompute-granularity "
+                           "selective).")
+    recompute.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                           help="Recompute whole layers (full) or chosen parts (selective, --recompute-modules) in "
+                           "the backward pass instead of keeping their activations (default: keep them).")
+    recompute.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                           help="Full recomputation: of --recompute-num-layers layers per chunk (uniform), or of "
+                           "the first --recompute-num-layers layers of each pipeline stage (block).")
+    recompute.add_argument("--recompute-num-layers", type=int, default=None,
+                           help="Layers recomputed per chunk or stage (--recompute-method).")
+    recompute.add_argument("--recompute-modules", nargs="+", default=None,
+                           help="Parts recomputed with --recompute-granularity selective (megatron-core's names: "
+                           "core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts; default: "
+                           "core_attn).")
+    recompute.add_argument("--distribute-saved-activations", action="store_true",
+                           help="Split the checkpointed activations across the tensor-parallel ranks "
+                           "(full recomputation, TP > 1).")
 
     moe = parser.add_argument_group("mixture of experts")
     moe.add_argument("--num-experts", type=int, default=None,
@@ -87,11 +148,48 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                      "dispatcher (DeepEP or HybridEP).")
     moe.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"], default="deepep",
                      help="Communication backend of the flex dispatcher (--moe-token-dispatcher-type flex).")
-    moe.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+    moe.add_argument("--moe-router-load-balancing-type", nargs="+", choices=megatron_lm_flags.MOE_LOAD_BALANCING_TYPES,
                      default="aux_loss",
-                     help="Router load balancing: auxiliary loss per batch or per sequence, Sinkhorn, or none.")
-    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
-                     help="Scaling coefficient of the load-balancing auxiliary loss.")
+                     help="Router load balancing: auxiliary loss per micro-batch, per sequence or over the global "
+                     "batch, Sinkhorn, or none; several types combine, each with its --moe-aux-loss-coeff.")
+    moe.add_argument("--moe-aux-loss-coeff", nargs="+", type=float, default=0.0,
+                     help="Scaling coefficient of the load-balancing auxiliary loss (one per "
+                     "--moe-router-load-balancing-type).")
+    moe.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                     help="Scaling coefficient of the router's z-loss (default: no z-loss).")
+    moe.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                     help="Multiply the router input by uniform noise in [1 - eps, 1 + eps] (default: none).")
+    moe.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
+                     help="Router score function.")
+    moe.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                     help="Scale the top-k routing probabilities by this factor (default: 1).")
+    moe.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
+                     help="Compute the routing in this precision (default: the model's).")
+    moe.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                     help="Auxiliary-loss-free load balancing: a per-expert bias added to the routing scores, "
+                     "updated after each step (needs --moe-router-score-function sigmoid).")
+    moe.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                     help="Update rate of the expert bias (--moe-router-enable-expert-bias).")
+    moe.add_argument("--moe-router-num-groups", type=int, default=None,
+                     help="Group-limited routing: the number of expert groups (default: no groups).")
+    moe.add_argument("--moe-router-group-topk", type=int, default=None,
+                     help="Group-limited routing: the number of groups each token may be routed to.")
+    moe.add_argument("--moe-router-force-load-balancing", action="store_true",
+                     help="Route the tokens evenly to the experts, ignoring the router (for benchmarks).")
+    moe.add_argument("--moe-router-fusion", action="store_true",
+                     help="Compute the top-k routing with Transformer Engine's fused kernels.")
+    moe.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                     help="Expert capacity as a multiple of the even share of tokens; tokens beyond it are "
+                     "dropped (default: dropless).")
+    moe.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                     help="Pad each expert's input to its capacity (with --moe-expert-capacity-factor).")
+    moe.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
+                     help="Which tokens are dropped beyond capacity: those of lowest probability, or the last.")
+    moe.add_argument("--moe-apply-probs-on-input", action="store_true",
+                     help="Multiply the routing probabilities into the expert input instead of its output "
+                     "(top-1 routing).")
+    moe.add_argument("--moe-layer-recompute", action="store_true",
+                     help="Recompute each MoE layer in the backward pass instead of keeping its activations.")
     moe.add_argument("--moe-permute-fusion", action="store_true",
                      help="Use Transformer Engine's fused kernels to permute and unpermute the tokens.")
     moe.add_argument("--moe-router-pre-softmax", action="store_true",
@@ -103,6 +201,14 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                      help="Total hidden size of the shared experts, which process every token "
                      "(default: no shared experts).")
+    moe.add_argument("--moe-shared-expert-gate", action="store_true",
+                     help="Scale the shared experts' output by a learned sigmoid gate.")
+    moe.add_argument("--moe-shared-expert-overlap", action="store_true",
+                     help="Compute the shared experts while the routed tokens are exchanged (alltoall or flex).")
+    moe.add_argument("--moe-deepep-num-sms", type=int, default=20,
+                     help="SMs DeepEP's kernels may use (--moe-flex-dispatcher-backend deepep).")
+    moe.add_argument("--moe-hybridep-num-sms", type=int, default=16,
+                     help="SMs HybridEP's kernels may use (--moe-flex-dispatcher-backend hybridep).")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -131,7 +237,7 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                         help="Capture parts of each layer as CUDA graphs. With --cuda-graph-scope moe and "
                         "dropless MoE this driver captures each MoE layer's forward and backward itself "
                         "(F11: needs --moe-device-tokens-per-expert, EP 1, alltoall or allgather).")
-    graphs.add_argument("--cuda-graph-scope", nargs="+", default=None,
+    graphs.add_argument("--cuda-graph-scope", nargs="+", default=[],
                         help="What to capture: moe (the whole MoE layer), or megatron-core's attn, mlp, "
                         "moe_router, moe_preprocess (default: the whole layer).")
     graphs.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
@@ -142,25 +248,35 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     precision.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
                            help="Run the GEMMs in FP8: e4m3 throughout, or hybrid (e4m3 forward, e5m2 "
                            "backward); needs --bf16 (default: no FP8).")
-    precision.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"], default="delayed",
+    precision.add_argument("--fp8-recipe", choices=megatron_lm_flags.FP8_RECIPES, default="delayed",
                            help="FP8 scaling recipe (with --fp8-format).")
-    precision.add_argument("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false",
+    precision.add_argument("--fp8-margin", type=int, default=0,
+                           help="Delayed scaling: margin of the scaling factor, as a power of 2.")
+    precision.add_argument("--fp8-amax-history-len", type=int, default=1,
+                           help="Delayed scaling: number of steps of amax history the scaling factor is taken from.")
+    precision.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent",
+                           help="Delayed scaling: take the most recent amax of the history, or its maximum.")
+    precision.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", dest="fp8_wgrad", action="store_false",
                            help="Compute weight gradients in bf16, not FP8 (with --fp8-format).")
 
     train = parser.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=1,
-                       help="Samples per micro-batch on each data-parallel rank.")
+    train.add_argument("--micro-batch-size", type=int, default=None,
+                       help="Samples per micro-batch on each data-parallel rank (required).")
     train.add_argument("--global-batch-size", type=int, default=None,
                        help="Samples per optimizer step over all data-parallel ranks; a multiple of "
                        "--micro-batch-size x data-parallel size, reached by gradient accumulation "
                        "(default: --micro-batch-size x data-parallel size).")
-    train.add_argument("--train-iters", type=int, default=100, help="Number of training iterations (optimizer steps).")
-    train.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate, reached after the warmup.")
+    train.add_argument("--train-iters", type=int, default=None,
+                       help="Number of training iterations (optimizer steps; required).")
+    train.add_argument("--lr", type=float, default=None,
+                       help="Peak learning rate, reached after the warmup (required).")
     train.add_argument("--min-lr", type=float, default=0.0, help="Learning rate the decay ends at.")
-    train.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine",
+    train.add_argument("--lr-decay-style", choices=megatron_lm_flags.LR_DECAY_STYLES, default="linear",
                        help="Learning rate decay after the warmup.")
     train.add_argument("--lr-warmup-iters", type=int, default=0,
                        help="Iterations of linear learning rate warmup from 0 to --lr.")
+    train.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Warmup as a fraction of --lr-decay-iters, instead of --lr-warmup-iters.")
     train.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Iterations the learning rate decays over, warmup included (default: --train-iters).")
     train.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay coefficient.")
@@ -187,19 +303,20 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data-path", nargs="*", default=None,
                       help="Megatron indexed dataset prefixes: 'prefix ...' or 'weight prefix weight prefix ...' "
                       "to blend several (default: synthetic data).")
-    data.add_argument("--split", default="969,30,1",
-                      help="Comma-separated weights of the train, validation and test splits of the data.")
+    data.add_argument("--split", default=None,
+                      help="Comma-separated weights of the train, validation and test splits of --data-path "
+                      "(default there: Megatron-LM's legacy 969, 30, 1, with a warning).")
     data.add_argument("--data-cache-path", default=None,
                       help="Directory for the dataset index caches (default: beside the dataset files).")
 
     log = parser.add_argument_group("logging and checkpoints")
-    log.add_argument("--log-interval", type=int, default=1,
+    log.add_argument("--log-interval", type=int, default=100,
                      help="Print the loss, learning rate and timing every this many iterations.")
     log.add_argument("--tensorboard-dir", default=None,
                      help="Write the logged metrics (loss, learning rate, grad norm, iteration time, "
                      "throughput, memory) as TensorBoard scalars into this directory; needs the "
                      "tensorboard package (default: no TensorBoard).")
-    log.add_argument("--timing-log-level", type=int, choices=[0, 1], default=0,
+    log.add_argument("--timing-log-level", type=int, choices=megatron_lm_flags.TIMING_LOG_LEVELS, default=0,
                      help="1: also time the forward-backward and optimizer phases of each iteration "
                      "(adds a GPU sync between them).")
     log.add_argument("--log-num-zeros-in-grad", action="store_true",
@@ -211,7 +328,7 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                      "(default: no checkpoints).")
     log.add_argument("--load", default=None,
                      help="Checkpoint directory to resume from (default: train from scratch).")
-    log.add_argument("--no-load-optim", action="store_true",
+    log.add_argument("--no-load-optim", action="store_true", default=None,
                      help="With --load: load the model weights and the iteration only; the optimizer "
                      "states and the learning-rate schedule start afresh, and the fp32 main params are "
                      "copied from the loaded weights.")
@@ -219,7 +336,7 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                      help="With --no-load-optim: take the fp32 main params from the checkpoint's model "
                      "tensors (megatron-core's reload_model_params(state_dict)) rather than from the "
                      "model's bf16 params; needs --load, --bf16 and --use-distributed-optimizer.")
-    log.add_argument("--save-interval", type=int, default=None,
+    log.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
                      help="Save a checkpoint every this many iterations; needs --save "
                      "(default: only at the end).")
     log.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
@@ -238,13 +355,13 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
 class DriverHelpFormatter(argparse.HelpFormatter):
     """``--help`` ends each flag's help with ``(default: VALUE)`` where the default is a value.
 
-    Switches (``store_true``) and flags whose default is None (unset) print none: their
-    help says what happens without them.
+    Switches (``store_true``) and flags whose default is None or an empty list (unset) print
+    none: their help says what happens without them.
     """
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
-        if "%(default)" in help_text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+        if "%(default)" in help_text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS, []):
             return help_text
         return f"{help_text} (default: %(default)s)"
 
@@ -260,14 +377,22 @@ class DriverArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+PROG = "pretrain_gpt.py"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The driver's parser; ``prog``: the command the user ran, which the usage, error and
+    warning lines name (``megatron-moe-pretrain`` for the console script)."""
     parser = DriverArgumentParser(
-        prog="pretrain_gpt.py",
+        prog=prog,
         description="GPT/MoE pretraining on megatron-core with the MoE patch set applied.",
+        epilog="Megatron-LM 0.16.1's other flags are read as Megatron-LM reads them; one that asks for what "
+        "this driver does not do is an error that says why (driver/megatron_lm_flags.py lists them all).",
         formatter_class=DriverHelpFormatter,
         allow_abbrev=False,
     )
     _add_standard_args(parser)
+    megatron_lm_flags.add_refused_flags(parser)
     return add_moe_patch_args(parser)
 
 
@@ -290,17 +415,19 @@ def world_size_from_env() -> int:
     return world
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.Namespace:
     """Parse and validate pretrain_gpt.py's arguments; exits with status 2 on bad input.
 
     Everything here runs before any CUDA or NCCL work, so no bad input reaches a GPU.
+    ``prog``: the command the user ran, named by the usage, error and warning lines.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(prog)
     first, _ = parser.parse_known_args(argv)
+    recipe = Recipe()
     if first.yaml_cfg:
         try:
-            recipe = load_recipe(first.yaml_cfg)
+            recipe = load_recipe(first.yaml_cfg, parser)
             apply_recipe(parser, recipe, getattr(recipe, "path", None) or first.yaml_cfg)
         except RecipeError as err:
             parser.error(str(err))
@@ -313,7 +440,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if _rank() == 0:
             print(f"{parser.prog}: warning: {message}", file=sys.stderr, flush=True)
 
+    refused = megatron_lm_flags.first_refusal(args, given_settings(parser, argv, recipe))
+    if refused:
+        parser.error(refused)
+    megatron_lm_flags.drop_refused(args)
     try:
+        apply_megatron_lm_rules(args, warn)
         world_size = world_size_from_env()
         check_load(args, warn)
         check_args(args, world_size=world_size)
@@ -321,6 +453,53 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     return args
+
+
+def given_settings(parser: argparse.ArgumentParser, argv: List[str], recipe: Recipe) -> List[Tuple[str, str]]:
+    """(dest, how it was given) for each flag on the command line, in order, then each key
+    the recipe sets: what ``megatron_lm_flags.first_refusal`` judges, and names in its message."""
+    options = parser._option_string_actions  # argparse has no public lookup
+    given = []
+    for token in argv:
+        option = token.split("=", 1)[0]
+        if option.startswith("--") and option in options:
+            given.append((options[option].dest, option))
+    flags = {}
+    for action in parser._actions:
+        if action.option_strings:
+            flags.setdefault(action.dest, action.option_strings[0])
+    for dest in recipe:
+        given.append((dest, f"{recipe.where(dest)}: '{recipe.key(dest)}' ({flags.get(dest, dest)})"))
+    return given
+
+
+# Megatron-LM's legacy split of --data-path, used (with a warning) where --split is not given.
+LEGACY_SPLIT = "969, 30, 1"
+
+
+def apply_megatron_lm_rules(args: argparse.Namespace, warn: Callable[[str], None] = print) -> None:
+    """What Megatron-LM makes of the flags as given, once, before ``check_load`` takes any
+    args from a checkpoint: the values the driver runs with, under the names it reads."""
+    if not args.group_query_attention:
+        if args.num_query_groups != 1:  # Megatron-LM ignores it: refuse rather than drop it
+            raise ValueError(f"--num-query-groups {args.num_query_groups} takes effect only with "
+                             "--group-query-attention (as in Megatron-LM): add it, or drop --num-query-groups")
+        args.num_query_groups = None  # multi-head attention, as config, checkpoints and logs read it
+    if args.tokenizer_type == megatron_lm_flags.NULL_TOKENIZER and args.vocab_size is not None:
+        args.vocab_size += 1  # Megatron-LM's null tokenizer adds the end-of-document id N to ids 0 .. N - 1
+    if args.data_path and args.split is None:
+        warn(f"--data-path without --split: using Megatron-LM's legacy split {LEGACY_SPLIT!r}")
+        args.split = LEGACY_SPLIT
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, name)
+        if isinstance(value, list) and len(value) == 1:  # Megatron-LM keeps a single entry unlisted
+            setattr(args, name, value[0])
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one")
+        decay_iters = args.lr_decay_iters or args.train_iters
+        if decay_iters is not None:  # missing --train-iters is reported by check_args
+            args.lr_warmup_iters = args.lr_warmup_fraction * decay_iters  # Megatron-LM's warmup steps
 
 
 def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) -> Optional[str]:
@@ -378,32 +557,90 @@ AT_LEAST_ONE_IF_SET = (
 NOT_NEGATIVE = ("lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coeff")
 FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")  # [0, 1)
 POSITIVE_FLOATS = ("init_method_std", "adam_eps")
-# Flags that only mean something for an MoE model (--num-experts).
-MOE_ONLY = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_padding_for_quantization",
-            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "overlap_moe_expert_parallel_comm")
+# Megatron-LM flags whose dest is the TransformerConfig field of that name: Megatron-LM
+# hands them to the config as given, and so does transformer_config_kwargs. Their
+# Megatron-LM defaults are megatron-core's, so a run that gives none builds the same config.
+CONFIG_FIELD_FLAGS = (
+    "attention_backend", "fp32_residual_connection", "apply_residual_connection_post_layernorm",
+    "layernorm_epsilon", "layernorm_zero_centered_gamma", "add_qkv_bias", "rotary_interleaved",
+    "embedding_init_method_std", "recompute_method", "recompute_num_layers", "recompute_modules",
+    "distribute_saved_activations", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
+    "clone_scatter_output_in_embedding",
+)
+FP8_CONFIG_FIELD_FLAGS = ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+MOE_CONFIG_FIELD_FLAGS = (
+    "moe_shared_expert_gate", "moe_shared_expert_overlap", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor", "moe_router_score_function", "moe_router_dtype",
+    "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_force_load_balancing",
+    "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+    "moe_token_drop_policy", "moe_layer_recompute", "moe_router_fusion", "moe_apply_probs_on_input",
+    "moe_deepep_num_sms", "moe_hybridep_num_sms",
+)
+# Flags that act only together with another (the key): without it a value other than the
+# default would change nothing, so it is refused.
+ONLY_WITH = {
+    "num_experts": (
+        "moe_grouped_gemm", "moe_permute_fusion", "moe_router_padding_for_quantization", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "overlap_moe_expert_parallel_comm", "moe_router_topk",
+        "moe_router_pre_softmax", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
+        "moe_router_load_balancing_type", "moe_aux_loss_coeff", *MOE_CONFIG_FIELD_FLAGS,
+    ),
+    "fp8_format": ("fp8_recipe", "fp8_wgrad", *FP8_CONFIG_FIELD_FLAGS),
+    "cross_entropy_loss_fusion": ("cross_entropy_fusion_impl",),
+    "moe_router_enable_expert_bias": ("moe_router_bias_update_rate",),
+    "moe_expert_capacity_factor": ("moe_pad_expert_input_to_capacity", "moe_token_drop_policy"),
+    "recompute_granularity": ("recompute_method", "recompute_num_layers", "distribute_saved_activations"),
+    "bf16": ("fp32_residual_connection",),  # an fp32 model's residual stream is fp32 already
+}
+
+
+def _values(args: argparse.Namespace, names) -> List[Tuple[str, object]]:
+    """(name, value) for each value the flags hold: every entry of a list (--moe-aux-loss-coeff
+    takes one per load-balancing type), none where unset."""
+    pairs = []
+    for name in names:
+        value = getattr(args, name, None)
+        pairs += [(name, item) for item in (value if isinstance(value, list) else [value]) if item is not None]
+    return pairs
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
-    for name in AT_LEAST_ONE + AT_LEAST_ONE_IF_SET:
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
+    for name, value in _values(args, AT_LEAST_ONE + AT_LEAST_ONE_IF_SET):
+        if value < 1:
             raise ValueError(f"{_flag(name)} {value}: must be at least 1")
-    for name in NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS:
-        value = getattr(args, name, None)
+    for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{_flag(name)} {value}: must be a finite number")
-    for name in NOT_NEGATIVE:
-        value = getattr(args, name, None)
-        if value is not None and value < 0:
+    for name, value in _values(args, NOT_NEGATIVE):
+        if value < 0:
             raise ValueError(f"{_flag(name)} {value}: must not be negative")
-    for name in FRACTIONS:
-        value = getattr(args, name, None)
-        if value is not None and not 0 <= value < 1:
+    for name, value in _values(args, FRACTIONS):
+        if not 0 <= value < 1:
             raise ValueError(f"{_flag(name)} {value}: must be at least 0 and below 1")
-    for name in POSITIVE_FLOATS:
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
+    for name, value in _values(args, POSITIVE_FLOATS):
+        if value <= 0:
             raise ValueError(f"{_flag(name)} {value}: must be above 0")
+
+
+# Megatron-LM has no default for these and stops without them; so does this driver.
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+            "vocab_size", "micro_batch_size", "train_iters", "lr")
+
+
+def _check_required(args: argparse.Namespace) -> None:
+    missing = [_dest_flags().get(name, _flag(name)) for name in REQUIRED if getattr(args, name, None) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: required (Megatron-LM has no default for "
+                         f"{'it' if len(missing) == 1 else 'them'}); give {'it' if len(missing) == 1 else 'them'}"
+                         " on the command line or in the --yaml-cfg recipe")
+
+
+def megatron_lm_ffn_hidden_size(args: argparse.Namespace) -> int:
+    """Megatron-LM's --ffn-hidden-size default: 4 x hidden, or with SwiGLU 2/3 of that (its two
+    input projections keep the parameter count), rounded down to a multiple of 64."""
+    if args.swiglu:
+        return int(4 * args.hidden_size * 2 / 3 / 64) * 64
+    return 4 * args.hidden_size
 
 
 def _tensorboard_installed() -> bool:
@@ -415,6 +652,7 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
 
     ``world_size``: the ranks the run has (``WORLD_SIZE``); the parallel sizes must fit it.
     """
+    _check_required(args)
     _check_ranges(args)
     if args.fp8_format and not args.bf16:
         raise ValueError("--fp8-format needs --bf16 (FP8 GEMMs on bf16 parameters)")
@@ -437,10 +675,8 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
                          "megatron-core's other graph scopes")
     if args.cuda_graph_scope and args.cuda_graph_impl == "none":
         raise ValueError("--cuda-graph-scope needs --cuda-graph-impl local or transformer_engine")
+    _check_only_with(args)
     if args.num_experts is None:
-        moe_only = [f for f in MOE_ONLY if getattr(args, f) not in (None, False)]
-        if moe_only:
-            raise ValueError(f"{_flag(moe_only[0])} needs --num-experts")
         if args.expert_model_parallel_size > 1:
             raise ValueError("--expert-model-parallel-size > 1 needs --num-experts (an MoE model)")
     else:
@@ -481,11 +717,10 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     if args.expert_model_parallel_size > 1 and tp > 1 and not args.sequence_parallel:
         raise ValueError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
                          "--sequence-parallel")
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+    args.ffn_hidden_size = args.ffn_hidden_size or megatron_lm_ffn_hidden_size(args)
+    if args.max_position_embeddings < args.seq_length:  # Megatron-LM's rule, whatever the position embedding
         raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
-                         f"{args.seq_length}: raise it (or use --position-embedding-type rope)")
+                         f"{args.seq_length}: raise it")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
@@ -506,6 +741,20 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {args.micro_batch_size * data_parallel}"
         )
+
+
+@functools.lru_cache(maxsize=None)
+def _parser_defaults() -> Dict[str, object]:
+    return {action.dest: action.default for action in build_parser()._actions}
+
+
+def _check_only_with(args: argparse.Namespace) -> None:
+    for enabling, dependents in ONLY_WITH.items():
+        if getattr(args, enabling):
+            continue
+        for name in dependents:
+            if getattr(args, name) != _parser_defaults()[name]:
+                raise ValueError(f"{_dest_flags()[name]} needs {_dest_flags()[enabling]}")
 
 
 def _check_main_params_load(args: argparse.Namespace) -> None:
@@ -703,7 +952,9 @@ def validate_config(args: argparse.Namespace, te_available: Optional[bool] = Non
 
     Returns the fields whose megatron-core checks were left to ``setup()`` because they ask
     Transformer Engine and it is not importable here (see ``TE_PROBED_FIELDS``); with TE
-    (``te_available`` None: probe it) every check runs now.
+    (``te_available`` None: probe it) every check runs now. Without a visible CUDA device,
+    the MoE graph rule of an EP > 1 config (it asks whether F12's exchange can run on this
+    device) is left to ``setup()`` too.
     """
     from megatron.moe_patches import capabilities
     from megatron.moe_patches.config import validate_moe_patch_config
@@ -717,9 +968,21 @@ def validate_config(args: argparse.Namespace, te_available: Optional[bool] = Non
         te_available = capabilities.te_version() is not None
     probed = TE_PROBED_FIELDS if patched else {**TE_PROBED_FIELDS, **NATIVE_TE_PROBED_FIELDS}
     deferred = [] if te_available else [n for n in probed if kwargs.get(n) not in (None, False)]
-    if "moe_permute_fusion" in deferred and kwargs.get("cuda_graph_impl") not in (None, "none"):
-        deferred.append("cuda_graph_impl")  # the MoE graph rule reads moe_permute_fusion
-    late = {name: kwargs.pop(name) for name in deferred}
+    if "moe_permute_fusion" in deferred:  # the patch set's rules that read moe_permute_fusion
+        if kwargs.get("cuda_graph_impl") not in (None, "none"):
+            deferred.append("cuda_graph_impl")  # the MoE graph rule
+        if kwargs.get("moe_symmetric_exchange"):
+            deferred.append("moe_symmetric_exchange")  # F12 needs the fused permute
+    # Left to setup() whole: the MoE graph rule at EP > 1 asks whether this process can run
+    # F12's exchange, which needs a CUDA device; with none visible, that is the GPU check's to say.
+    unjudged = []
+    if (patched and not torch.cuda.is_available() and kwargs.get("cuda_graph_impl") not in (None, "none")
+            and kwargs.get("moe_symmetric_exchange") and (kwargs.get("expert_model_parallel_size") or 1) > 1):
+        unjudged.append("cuda_graph_impl")
+    late = {name: kwargs.pop(name) for name in deferred if name not in unjudged}
+    for name in unjudged:
+        kwargs.pop(name)
+    deferred += [name for name in unjudged if name not in deferred]
     try:
         with warnings.catch_warnings():  # setup() builds it again; its warnings show there once
             warnings.simplefilter("ignore")
@@ -748,7 +1011,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
+        num_query_groups=args.num_query_groups,  # None (multi-head) without --group-query-attention
         kv_channels=args.kv_channels,
         normalization=args.normalization,
         gated_linear_unit=args.swiglu,
@@ -773,9 +1036,12 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         cuda_graph_impl=args.cuda_graph_impl,
         cuda_graph_scope=args.cuda_graph_scope or "full",
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+        recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+        **{name: getattr(args, name) for name in CONFIG_FIELD_FLAGS},
     )
     if args.fp8_format:
-        kwargs.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_wgrad=args.fp8_wgrad)
+        kwargs.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_wgrad=args.fp8_wgrad,
+                      **{name: getattr(args, name) for name in FP8_CONFIG_FIELD_FLAGS})
     if args.num_experts is not None:
         kwargs.update(
             num_moe_experts=args.num_experts,
@@ -790,6 +1056,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
             moe_router_pre_softmax=args.moe_router_pre_softmax,
             moe_router_padding_for_quantization=args.moe_router_padding_for_quantization,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            **{name: getattr(args, name) for name in MOE_CONFIG_FIELD_FLAGS},
         )
     kwargs.update(config_kwargs_from_args(args))
     return compat.fit_config_kwargs(kwargs)

@@ -5,7 +5,8 @@ state (iteration, scheduler, the run's args as a plain dict);
 ``<save>/latest_checkpointed_iteration.txt`` names the newest. ``--use-checkpoint-args``
 takes the model-defining args and the MoE patch flags from the checkpoint, with
 Megatron's ``_set_arg`` rule: a saved value is taken where the current one is unset,
-and always for on/off flags (a store_true default is never "unset").
+and always for on/off flags (a store_true default is never "unset"). It reads Megatron-LM's
+checkpoints too, whose args are its argparse Namespace (``args_from_megatron_lm``).
 
 ``find_checkpoint`` says, before start-up, what ``--load`` holds: a checkpoint, none
 (a reason: training starts from scratch), or an error naming the file (``--load`` is a
@@ -52,11 +53,6 @@ MODEL_ARGS = [
     "untie_embeddings_and_output_weights", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
     "moe_router_topk", "moe_shared_expert_intermediate_size",
 ]
-# Args that change the parameters' memory layout but not the model's checkpoint keys: the
-# distributed optimizer's dp_reshardable states are flat buffers in memory layout, so they
-# only load into the same layout (F4's GLU interleave permutes FC1 rows; a single grouped
-# weight replaces E parameters by one). Converting them is F7's work (issue #5).
-OPTIMIZER_LAYOUT_ARGS = ["moe_mlp_glu_interleave_size", "moe_single_grouped_weight", "moe_single_grouped_bias"]
 # Distributed-optimizer state formats: per-DP-rank flat buffers (survive a DP change), or
 # per parameter under the model's keys (survive DP/EP and expert-layout changes; F7 maps
 # grouped parameters to their per-expert keys). megatron-core builds one optimizer at EP=1
@@ -229,6 +225,61 @@ def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
     return path, None
 
 
+# Megatron-LM saves its whole argparse Namespace as the common state's "args" (this driver
+# saves a dict). Its model-defining args mostly have this driver's names; the rest follow
+# its rules: --disable-bias-linear stores add_bias_linear=False; num_query_groups counts
+# only with --group-query-attention (one group per head otherwise); and the embedding
+# table has padded_vocab_size rows (the tokenizer's size, eod included, padded), which is
+# what this driver's --vocab-size must come to. Model features Megatron-LM builds and this
+# driver does not are refused by name, each with the value that means "not used".
+MEGATRON_LM_FEATURES_NOT_BUILT = (
+    ("multi_latent_attention", False),
+    ("squared_relu", False),
+    ("quick_geglu", False),
+    ("mtp_num_layers", None),
+    ("moe_layer_freq", 1),
+    ("rotary_percent", 1.0),
+)
+MEGATRON_LM_CHOICES = {
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+}
+
+
+def args_from_megatron_lm(saved: argparse.Namespace, path: str) -> dict:
+    """The args of a Megatron-LM checkpoint (its saved Namespace) as this driver's saved-args
+    dict; CheckpointError for a model this driver does not build."""
+    args = dict(vars(saved))
+    for name, unused in MEGATRON_LM_FEATURES_NOT_BUILT:
+        value = args.get(name, unused)
+        if unused in (None, False):
+            used = bool(value)
+        elif isinstance(value, (list, tuple)):  # --moe-layer-freq as one entry per layer
+            used = any(entry != unused for entry in value)
+        else:
+            used = value != unused
+        if used:
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(
+                f"checkpoint {path} was saved by Megatron-LM with {flag if value is True else f'{flag} {value}'}, "
+                "a model pretrain_gpt.py does not build: resume it with Megatron-LM, or point --load elsewhere"
+            )
+    for name, choices in MEGATRON_LM_CHOICES.items():
+        if args.get(name) is not None and args[name] not in choices:
+            raise CheckpointError(
+                f"checkpoint {path} was saved by Megatron-LM with --{name.replace('_', '-')} {args[name]}, which "
+                f"pretrain_gpt.py does not build (it offers {', '.join(choices)}): resume it with Megatron-LM, or "
+                "point --load elsewhere"
+            )
+    if "add_bias_linear" in args and "disable_bias_linear" not in args:
+        args["disable_bias_linear"] = not args["add_bias_linear"]
+    if "group_query_attention" in args and not args["group_query_attention"]:
+        args["num_query_groups"] = args.get("num_attention_heads")  # multi-head attention
+    if args.get("padded_vocab_size"):
+        args["vocab_size"] = args["padded_vocab_size"]
+    return args
+
+
 def restore_args(args: argparse.Namespace, saved: dict) -> List[str]:
     """Apply a checkpoint's saved args (a dict) to ``args``; return the names that changed.
 
@@ -319,7 +370,8 @@ def _common_state_strategy():
 
 def saved_args(root: str) -> dict:
     """The args dict saved with the checkpoint ``--load root`` resumes from (CPU only, no
-    process group: usable before start-up)."""
+    process group: usable before start-up): this driver's dict, or a Megatron-LM
+    checkpoint's Namespace in this driver's names (``args_from_megatron_lm``)."""
     path, missing = find_checkpoint(root)
     if path is None:
         raise CheckpointError(f"--load {root}: {missing}")
@@ -328,12 +380,18 @@ def saved_args(root: str) -> dict:
     except CheckpointError:
         raise
     except Exception as err:  # megatron-core's CheckpointingException, unpickling errors
+        reason = " ".join(str(err).split())[:300]
         raise CheckpointError(
-            f"cannot read the saved args of {path} ({err}): the save did not finish, or it is not a "
-            "checkpoint of pretrain_gpt.py; point --load at a complete one"
+            f"cannot read the saved args of {path} ({reason}): the save did not finish, or it is a checkpoint "
+            "of neither pretrain_gpt.py nor Megatron-LM; point --load at a complete one"
         ) from None
+    if isinstance(saved, argparse.Namespace):  # saved by Megatron-LM
+        return args_from_megatron_lm(saved, path)
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{path} holds no saved args (not a checkpoint of pretrain_gpt.py)")
+        raise CheckpointError(
+            f"{path} holds no saved args (a checkpoint of neither pretrain_gpt.py nor Megatron-LM); point "
+            "--load at one of theirs, or drop --use-checkpoint-args"
+        )
     return saved
 
 
@@ -397,17 +455,18 @@ def save(root: str, iteration: int, model, optimizer, scheduler, args) -> str:
 
 
 def check_optimizer_layout(args: argparse.Namespace, saved: dict) -> None:
-    """Refuse, before loading anything, optimizer states saved in another memory layout."""
-    if saved.get("dist_ckpt_optim_fully_reshardable"):
-        return  # states saved per parameter in the checkpoint layout (F7, glu_interleave)
-    drift = [name for name in OPTIMIZER_LAYOUT_ARGS if name in saved and saved[name] != getattr(args, name, None)]
-    if drift:
-        pairs = ", ".join(f"--{n.replace('_', '-')} {saved[n]} (checkpoint) vs {getattr(args, n, None)} (now)"
-                          for n in drift)
-        raise ValueError(
-            f"the checkpoint's optimizer states were saved in another parameter layout: {pairs}. "
-            "Resume with the checkpoint's value (or --use-checkpoint-args)."
-        )
+    """Refuse, before loading anything, optimizer states saved in another memory layout: the
+    patched optimizer's own rule (F7; it checks again at load, in any loop), read from the
+    checkpoint's args, so a mismatch stops the run before any GPU work."""
+    from megatron.moe_patches.grouped_optimizer_state import LAYOUT_FIELDS, bucket_layout_refusal
+
+    if not saved.get("use_distributed_optimizer"):
+        return  # torch optimizers' states are per parameter
+    sharding = "fully_reshardable" if saved.get("dist_ckpt_optim_fully_reshardable") else "dp_reshardable"
+    layout_of = lambda values: {n: values.get(n, stock) for n, stock in LAYOUT_FIELDS.items()}
+    refusal = bucket_layout_refusal(sharding, layout_of(saved), layout_of(vars(args)))
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _sharded_tensors(tree) -> Iterator:

@@ -9,12 +9,17 @@ from typing import List, Optional
 from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
 
 
-def pretrain_main(argv: Optional[List[str]] = None) -> int:
-    """Parse the flags and train (``megatron.moe_patches.driver.training.main``)."""
+COMMAND = "megatron-moe-pretrain"
+
+
+def pretrain_main(argv: Optional[List[str]] = None, prog: str = COMMAND) -> int:
+    """Parse the flags and train (``megatron.moe_patches.driver.training.main``). ``prog``:
+    the command the user ran, named by the usage and error lines; ``pretrain_gpt.py``
+    passes its own name."""
     quiet_megatron_core_import_warnings()  # before the training module imports megatron-core
     from megatron.moe_patches.driver.training import main
 
-    return main(argv)
+    return main(argv, prog=prog)
 
 
-__all__ = ["pretrain_main"]
+__all__ = ["COMMAND", "pretrain_main"]

@@ -1,21 +1,38 @@
-"""YAML recipes for pretrain_gpt.py: a flat ``flag: value`` form and Megatron's nested form.
+"""YAML recipes for pretrain_gpt.py: a flat ``flag: value`` form and Megatron-LM's nested form.
 
-Flat: keys are flag names with or without dashes (``num-layers`` or ``num_layers``).
-Nested (Megatron-LM's ``--yaml-cfg``): ``language_model:`` and ``model_parallel:``
-sections hold config field names (``num_moe_experts``, ``tensor_model_parallel_size``,
-...), training keys sit at the top level. Either way every key must name a flag the
-parser knows: an unknown key is an error naming it, never silently dropped. Values
-from the recipe become parser defaults, so command-line flags override them.
+Flat: keys are flag names with or without dashes (``num-layers``, ``num_layers``,
+``no-rope-fusion``) or the flags' dests. Nested, as Megatron-LM's ``--yaml-cfg`` files are
+written: ``language_model:`` and ``model_parallel:`` sections hold TransformerConfig field
+names (``num_moe_experts``, ``gated_linear_unit``, ``activation_func``, ...), the other
+settings sit at the top level under their dests. Every key must name a flag the parser
+knows (Megatron-LM's refused ones included: ``megatron_lm_flags``), or, in a section, a
+TransformerConfig field left at megatron-core's default: an unknown key is an error naming
+it, never silently dropped. Values become parser defaults, so command-line flags override
+them.
 
-Recipes are read strictly, like the command line: an int flag takes an integer (not
-2.7, not true, not a list), a float flag takes a number, an on/off flag takes true or
-false, and no flag takes null (leave the line out to keep the default). A file that is
-not UTF-8, not YAML, holds a tag that builds Python objects, sets a key twice or sets
-nothing is refused. Every ``RecipeError`` names the file and, where it is known, the line.
+Megatron-LM's reading of its YAML files, kept here: a null value means "not set" (the
+line counts as absent); a plain (unquoted) value holding ``${NAME}`` has each such reference
+replaced by the environment variable NAME, and an unset variable is an error; a key given
+both at the top level and in a section, or in both sections, is refused (Megatron-LM's
+reader stops on it too); and where a section and the top level set the same setting under
+different names (``gated_linear_unit`` and ``swiglu``, ``num_moe_experts`` and
+``num_experts``), the section's value wins, as Megatron-LM builds the model config from the
+sections alone. In a section, ``activation_func`` decides the MLP's activation over
+``gated_linear_unit``, as Megatron-LM's YAML reader does.
+
+Recipes are read strictly, like the command line: an int flag takes an integer (not 2.7,
+not true, not a list), a float flag takes a number, an on/off flag takes true or false. A
+file that is not UTF-8, not YAML, holds a tag that builds Python objects, sets a key twice
+in one mapping or sets nothing is refused. Every ``RecipeError`` names the file and, where
+it is known, the line.
 """
 
 import argparse
-from typing import Any, Dict, Optional, Tuple
+import dataclasses
+import functools
+import os
+import re
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import yaml
 
@@ -31,10 +48,19 @@ def _on_off(name):
     return negate
 
 
-# Megatron config-field spellings (nested recipes) -> (flag dest, value transform).
+def _activation(value):
+    """Megatron-LM's YAML ``activation_func``: swiglu or gelu (this driver's two MLPs)."""
+    if value not in ("swiglu", "gelu"):
+        raise RecipeError(f"'activation_func' {_spelled(value)}: this driver builds gelu or swiglu MLPs only")
+    return value == "swiglu"
+
+
+# Megatron-LM's config-field and dest spellings that this driver keeps under another dest:
+# spelling -> (dest, value transform).
 FIELD_ALIASES = {
     "num_moe_experts": ("num_experts", None),
     "gated_linear_unit": ("swiglu", None),
+    "activation_func": ("swiglu", _activation),
     "add_bias_linear": ("disable_bias_linear", _on_off("add_bias_linear")),
     "fp8": ("fp8_format", None),
 }
@@ -79,41 +105,144 @@ def _dest(key: str) -> str:
     return key.strip().lstrip("-").replace("-", "_")
 
 
-def flatten_recipe(raw: Dict[str, Any], lines: Optional[Dict[Tuple[Optional[str], str], int]] = None) -> Recipe:
-    """One flat {dest: value} Recipe from a flat or nested recipe.
+class Setting(NamedTuple):
+    """One key of the recipe, resolved to the dest it sets."""
 
-    ``lines`` ((section or None, key) -> line) lets errors and the result carry lines.
-    """
-    lines = lines or {}
-    if not isinstance(raw, dict):
-        raise RecipeError(f"a recipe must be a mapping of flag names to values, not {type(raw).__name__}")
-    flat = Recipe()
+    section: Optional[str]  # None: the top level
+    key: str  # as the file spells it
+    dest: str
+    value: Any
+    line: Optional[int]
+
+    def place(self) -> str:
+        return "at the top level" if self.section is None else f"in '{self.section}'"
+
+
+@functools.lru_cache(maxsize=None)
+def _config_field_defaults() -> Dict[str, Any]:
+    """megatron-core's TransformerConfig fields and their defaults: what a section's key
+    that no flag sets may hold (Megatron-LM's YAML sections are config fields)."""
+    from megatron.core.transformer import TransformerConfig
+
+    defaults = {}
+    for field in dataclasses.fields(TransformerConfig):
+        if field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = field.default_factory()
+    return defaults
+
+
+def _switch(key: str, flag: str, const):
+    """A flag-named on/off key (``no-rope-fusion: true``): true gives the flag, false leaves
+    it out."""
+    def given(value):
+        if not isinstance(value, bool):
+            raise RecipeError(f"'{key}' ({flag}) is an on/off flag; give true or false, not {_spelled(value)}")
+        return const if value else None
+
+    return given
+
+
+def _resolve(parser: argparse.ArgumentParser, section: Optional[str], key: str) -> Tuple[str, Optional[Callable]]:
+    """(dest, value transform) of a recipe key, or RecipeError for a key no flag or field takes."""
+    name = _dest(key)
+    if name in FIELD_ALIASES:
+        return FIELD_ALIASES[name]
+    if any(action.dest == name for action in parser._actions):  # Megatron-LM's YAML keys are dests
+        return name, None
+    option = parser._option_string_actions.get("--" + name.replace("_", "-"))  # argparse has no public lookup
+    if option is not None and option.nargs == 0:
+        return option.dest, _switch(key, option.option_strings[0], option.const)
+    if option is not None:
+        return option.dest, None
+    if section is not None and name in _config_field_defaults():
+        return name, None  # a config field no flag sets: _unflagged_field judges its value
+    raise RecipeError(f"unknown key '{name}' (no flag --{name.replace('_', '-')})")
+
+
+def _unflagged_field(parser: argparse.ArgumentParser, setting: Setting) -> bool:
+    """Whether ``setting`` is a config field no flag sets; refused unless it holds
+    megatron-core's default, which is what this driver builds the config with."""
+    if any(action.dest == setting.dest for action in parser._actions):
+        return False
+    default = _config_field_defaults()[setting.dest]
+    if setting.value != default:
+        raise RecipeError(f"'{setting.key}' {_spelled(setting.value)}: this driver builds the TransformerConfig "
+                          f"with megatron-core's {setting.dest}={default!r} (no flag sets it); leave it out",
+                          setting.line)
+    return True
+
+
+def _settings(raw: Dict[str, Any], parser, lines) -> List[Setting]:
+    """Every key of the recipe, sections' keys included, with its dest and transformed value;
+    null values and on/off flags set to false are left out (not set)."""
+    items = []
     for key, value in raw.items():
         if not isinstance(key, str):
             raise RecipeError(f"key {_spelled(key)} is not a flag name", lines.get((None, str(key))))
         if key in NESTED_SECTIONS:
             if not isinstance(value, dict):
                 raise RecipeError(f"recipe section '{key}' must be a mapping", lines.get((None, key)))
-            items = [(key, name, item) for name, item in value.items()]
+            items += [(key, name, item) for name, item in value.items()]
         else:
-            items = [(None, key, value)]
-        for section, name, item in items:
-            line = lines.get((section, str(name)))
-            if not isinstance(name, str):
-                raise RecipeError(f"key {_spelled(name)} in section '{section}' is not a flag name", line)
-            dest = _dest(name)
-            if dest in FIELD_ALIASES:
-                dest, transform = FIELD_ALIASES[dest]
-                try:
-                    item = transform(item) if transform else item
-                except RecipeError as err:
-                    raise RecipeError(str(err), line) from None
-            if dest in flat:
-                raise RecipeError(f"recipe sets '{dest}' twice (as '{flat.key(dest)}' and '{name}')", line)
-            flat[dest] = item
-            flat.written[dest] = name
-            if line:
-                flat.lines[dest] = line
+            items.append((None, key, value))
+    settings = []
+    for section, key, value in items:
+        line = lines.get((section, str(key)))
+        if not isinstance(key, str):
+            raise RecipeError(f"key {_spelled(key)} in section '{section}' is not a flag name", line)
+        try:
+            dest, transform = _resolve(parser, section, key)
+            value = transform(value) if transform and value is not None else value
+        except RecipeError as err:
+            raise RecipeError(str(err), line) from None
+        setting = Setting(section, key, dest, value, line)
+        if value is not None and not _unflagged_field(parser, setting):
+            settings.append(setting)
+    return settings
+
+
+def _one_of(first: Setting, second: Setting) -> Setting:
+    """The setting that wins where two keys set the same dest (Megatron-LM's rules)."""
+    if first.key == second.key:
+        raise RecipeError(f"'{second.key}' is set both {first.place()} (line {first.line}) and {second.place()}; "
+                          "Megatron-LM's YAML reader refuses that too: keep one", second.line)
+    if first.section != second.section and None in (first.section, second.section):
+        return first if second.section is None else second  # Megatron-LM's config comes from the sections
+    if {first.key, second.key} == {"gated_linear_unit", "activation_func"}:
+        return _glu_activation(first, second)
+    raise RecipeError(f"recipe sets '{second.dest}' twice (as '{first.key}' and '{second.key}')", second.line)
+
+
+def _glu_activation(first: Setting, second: Setting) -> Setting:
+    """gated_linear_unit with activation_func in one section: Megatron-LM's YAML reader takes
+    swiglu as gated whatever gated_linear_unit says; gated gelu is not built here."""
+    activation, gated = (first, second) if first.key == "activation_func" else (second, first)
+    if gated.value and not activation.value:
+        raise RecipeError("'gated_linear_unit: true' with 'activation_func: gelu' is a gated GeLU, which this "
+                          "driver does not build: use activation_func swiglu, or gated_linear_unit false", gated.line)
+    return activation
+
+
+def flatten_recipe(raw: Dict[str, Any], parser: argparse.ArgumentParser,
+                   lines: Optional[Dict[Tuple[Optional[str], str], int]] = None) -> Recipe:
+    """One flat {dest: value} Recipe from a flat or nested recipe, keys resolved by ``parser``.
+
+    ``lines`` ((section or None, key) -> line) lets errors and the result carry lines.
+    """
+    if not isinstance(raw, dict):
+        raise RecipeError(f"a recipe must be a mapping of flag names to values, not {type(raw).__name__}")
+    chosen: Dict[str, Setting] = {}
+    for setting in _settings(raw, parser, lines or {}):
+        prior = chosen.get(setting.dest)
+        chosen[setting.dest] = setting if prior is None else _one_of(prior, setting)
+    flat = Recipe()
+    for dest, setting in chosen.items():
+        flat[dest] = setting.value
+        flat.written[dest] = setting.key
+        if setting.line:
+            flat.lines[dest] = setting.line
     return flat
 
 
@@ -131,6 +260,31 @@ def _read_text(path: str) -> str:
             f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
             "save the recipe as UTF-8"
         ) from None
+
+
+# ``${NAME}`` in a plain scalar: Megatron-LM's YAML reader replaces it by the variable's value.
+ENV_REFERENCE = re.compile(r"\$\{([^}]*)\}")
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, plus ``${NAME}`` expansion in plain (unquoted) scalars."""
+
+
+def _expand_environment(loader: _RecipeLoader, node: yaml.ScalarNode) -> str:
+    text = loader.construct_scalar(node)
+
+    def variable(match):
+        value = os.environ.get(match.group(1))
+        if value is None:
+            raise RecipeError(f"environment variable {match.group(1)!r} is not set (the recipe reads "
+                              f"{match.group(0)})", node.start_mark.line + 1)
+        return value
+
+    return ENV_REFERENCE.sub(variable, text)
+
+
+_RecipeLoader.add_implicit_resolver("!environment", re.compile(r".*\$\{[^}]*\}"), None)
+_RecipeLoader.add_constructor("!environment", _expand_environment)
 
 
 def _yaml_error(path: str, err: yaml.YAMLError) -> RecipeError:
@@ -173,35 +327,42 @@ def _key_lines(path: str, node) -> Dict[Tuple[Optional[str], str], int]:
     return lines
 
 
-def read_recipe(path: str) -> Recipe:
-    """The Recipe in the file ``path`` (no built-in names here: see ``load_recipe``)."""
+def _in_file(path: str, err: RecipeError) -> RecipeError:
+    return RecipeError(f"{path}:{err.line}: {err}" if err.line else f"{path}: {err}")
+
+
+def read_recipe(path: str, parser: argparse.ArgumentParser) -> Recipe:
+    """The Recipe in the file ``path``, its keys resolved by ``parser`` (no built-in names
+    here: see ``load_recipe``)."""
     text = _read_text(path)
     try:
-        raw = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.load(text, Loader=_RecipeLoader)
+        node = yaml.compose(text, Loader=_RecipeLoader)
     except yaml.YAMLError as err:
         raise _yaml_error(path, err) from None
+    except RecipeError as err:  # an unset environment variable
+        raise _in_file(path, err) from None
     if raw is None or raw == {}:
         raise RecipeError(f"{path}: the recipe is empty (it sets no flag); give 'flag: value' lines or drop --yaml-cfg")
     lines = _key_lines(path, node)
     try:
-        recipe = flatten_recipe(raw, lines)
+        recipe = flatten_recipe(raw, parser, lines)
     except RecipeError as err:
-        where = f"{path}:{err.line}" if err.line else path
-        raise RecipeError(f"{where}: {err}") from None
+        raise _in_file(path, err) from None
     if not recipe:
-        raise RecipeError(f"{path}: the recipe is empty (its sections set no flag); give 'flag: value' lines")
+        raise RecipeError(f"{path}: the recipe sets no flag (empty sections, null values or flags set to false); "
+                          "give 'flag: value' lines")
     recipe.path = path
     return recipe
 
 
-def load_recipe(path: str) -> Recipe:
+def load_recipe(path: str, parser: argparse.ArgumentParser) -> Recipe:
     # --- built-in recipes: a path, or the name of one shipped in the package ("tiny-moe") ---
     from megatron.moe_patches.driver.builtin_recipes import resolve
 
     path = resolve(path)  # UnknownRecipe (an OSError) names the built-in recipes
     # --- end built-in recipes ---
-    return read_recipe(path)
+    return read_recipe(path, parser)
 
 
 _KINDS = {int: "an integer", float: "a number", str: "a string"}
@@ -235,9 +396,7 @@ def _scalar(kind, value, fail):
 
 def convert_value(action: argparse.Action, value, fail):
     """A recipe value for ``action``'s flag, checked as strictly as the command line."""
-    if value is None:
-        raise fail("takes no null: leave the line out to keep the default")
-    if action.nargs == 0:  # store_true
+    if action.nargs == 0:  # on/off flags
         if not isinstance(value, bool):
             raise fail(f"is an on/off flag; give true or false, not {_spelled(value)}")
         return value

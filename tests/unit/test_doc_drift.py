@@ -1,0 +1,47 @@
+"""Facts the docs state twice, or state about the code, agree: the quick GPU run's time in
+pytest.ini and README, C0's page against the patch fields, and the license in LICENSE,
+setup.py and README."""
+
+import configparser
+import re
+from pathlib import Path
+
+from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, flag_name
+from megatron.moe_patches.fields import PATCH_FIELDS
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+NUMBERS = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten",
+           11: "eleven", 12: "twelve"}
+
+
+def test_quick_marker_time_is_the_same_in_pytest_ini_and_readme():
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini", encoding="utf-8")
+    marker = next(line for line in ini["pytest"]["markers"].splitlines() if line.strip().startswith("quick:"))
+    ini_time = re.search(r"about ([^,;]+? minutes?)", marker).group(1)
+    line = next(line for line in README.splitlines() if "-m quick" in line and "#" in line)
+    readme_time = re.search(r"about ([^,;]+? minutes?)", line).group(1)
+    assert ini_time == readme_time
+
+
+def test_c0_page_counts_and_names_the_patch_fields():
+    page = (ROOT / "patches" / "C0-config-fields.md").read_text(encoding="utf-8")
+    fields, bools = len(PATCH_FIELDS), sum(restored.force for restored in CHECKPOINT_RESTORED_ARGS)
+    assert f"The {NUMBERS[fields]} patch fields" in page
+    assert f"all {NUMBERS[fields]} are taken from the checkpoint; the {NUMBERS[bools]} bools always override" in page
+    assert f"already has all {NUMBERS[fields]} fields" in page
+    other_counts = {word for number, word in NUMBERS.items() if number not in (fields, bools)}
+    assert not [word for word in re.findall(r"\b[a-z]+\b", page) if word in other_counts]
+    assert [f.name for f in PATCH_FIELDS if f"`{flag_name(f.name)}`" not in page] == []
+
+
+def test_license_file_setup_metadata_and_readme_agree():
+    license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert license_text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in license_text
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    assert 'license="Apache-2.0"' in setup
+    assert '"License :: OSI Approved :: Apache Software License"' in setup
+    assert "Apache License 2.0" in README.split("## License", 1)[-1]
+

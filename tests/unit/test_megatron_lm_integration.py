@@ -1,0 +1,364 @@
+"""``megatron_lm.enable()``: the patch set in Megatron-LM's own pretrain_gpt.py.
+
+The first tests need no Megatron-LM: the fields' help for its flag generator, and the
+wiring of the checkpoint-args hook against a small fake ``megatron.training``. The tests
+marked ``real_megatron_lm`` run Megatron-LM core_v0.16.1 itself (its argument parser and
+--help, pretrain_gpt.py edited as README says, the config it builds, ``initialize_megatron``
+reading a checkpoint's args); they need the checkout named by ``MEGATRON_LM_PATH`` and skip
+without it.
+"""
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron
+import megatron.core.transformer.transformer_config as tc_module
+from megatron.moe_patches import apply, megatron_lm, revert, status
+from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches.fields import PATCH_FIELD_NAMES, PATCH_FIELDS
+
+STOCK_CONFIG = tc_module.TransformerConfig
+SWITCHES = [f.name for f in PATCH_FIELDS if f.default is False]
+SETTINGS = [f.name for f in PATCH_FIELDS if f.default is None]
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def saved_patch_args():
+    """What a run with every patch flag set saves in its checkpoint (an int setting gets 8)."""
+    return {**{name: True for name in SWITCHES}, **{name: 8 for name in SETTINGS}}
+
+
+def applied_ids():
+    return {row.id for row in status() if row.state == "applied"}
+
+
+@pytest.fixture(autouse=True)
+def nothing_enabled():
+    """Every test starts and ends with megatron-core unpatched and Megatron-LM unwrapped."""
+    megatron_lm.disable()
+    revert()
+    yield
+    megatron_lm.disable()
+    revert()
+
+
+def test_all_patch_fields_are_switches_or_int_settings():
+    # The tests below pass True / 8 for every patch flag; a field of another kind needs its own value.
+    assert sorted(SWITCHES + SETTINGS) == sorted(PATCH_FIELD_NAMES)
+
+
+def test_importing_the_module_changes_nothing():
+    code = (
+        "import sys, megatron.core.transformer.transformer_config as t; before = t.TransformerConfig;"
+        "import megatron.moe_patches.megatron_lm;"
+        "assert t.TransformerConfig is before;"
+        "assert not [m for m in sys.modules if m.startswith('megatron.training')];"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_patch_flag_gets_its_help_through_megatron_lm_argparse_meta():
+    # Megatron-LM's flag generator passes metadata["argparse_meta"] on to add_argument.
+    for field in PATCH_FIELDS:
+        assert field.metadata["argparse_meta"] == {"help": field.metadata["help"]}, field.name
+        assert field.metadata["help"].strip()
+
+
+# README's lines for Megatron-LM's pretrain_gpt.py: the import, and the call that opens its
+# __main__ block.
+README_IMPORT = "from megatron.moe_patches import megatron_lm\n"
+MAIN_BLOCK = 'if __name__ == "__main__":\n'
+README_CALL = "    megatron_lm.enable()\n"
+
+
+def test_readme_shows_the_lines_the_pretrain_gpt_test_adds():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert README_IMPORT + "\n" + MAIN_BLOCK + README_CALL in readme
+
+
+# --- the wiring, against a fake megatron.training --------------------------------------------
+
+FAKE_MODULES = {
+    # Megatron-LM returns (args, checkpoint_args) when it read a checkpoint's args, args alone
+    # otherwise; here a "checkpoint" is an entry of SAVED_ARGS keyed by the --load directory.
+    "checkpointing": """
+        SAVED_ARGS = {}
+
+        def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
+            saved = SAVED_ARGS.get(getattr(args, load_arg))
+            return args if saved is None else (args, saved)
+    """,
+    # As Megatron-LM's initialize.py: the function imported by name, called through that name.
+    "initialize": """
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        def initialize_megatron(args):
+            if args.use_checkpoint_args:
+                load_args_from_checkpoint(args)
+            return args
+    """,
+    "utils": """
+        PRINTED = []
+        print_rank_0 = PRINTED.append
+    """,
+}
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    """A stand-in ``megatron.training`` package (its modules as attributes)."""
+    package = types.ModuleType("megatron.training")
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, "megatron.training", package)
+    monkeypatch.setattr(megatron, "training", package, raising=False)
+    for name, source in FAKE_MODULES.items():
+        module = types.ModuleType(f"megatron.training.{name}")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        exec(textwrap.dedent(source), module.__dict__)
+        setattr(package, name, module)
+    yield package
+    megatron_lm.disable()  # before the fake modules leave sys.modules
+
+
+def parsed_defaults(**given):
+    """The args Megatron-LM parses when no patch flag is given (plus ``given``)."""
+    return argparse.Namespace(**{f.name: f.default for f in PATCH_FIELDS}, **given)
+
+
+def test_enable_applies_the_series(fake_training):
+    megatron_lm.enable()
+    assert tc_module.TransformerConfig is PatchedTransformerConfig
+    assert {row.id for row in status() if row.state == "off"} == set()
+    megatron_lm.disable()
+    assert tc_module.TransformerConfig is STOCK_CONFIG and not applied_ids()
+
+
+def test_use_checkpoint_args_restores_the_patch_args(fake_training):
+    megatron_lm.enable()
+    fake_training.checkpointing.SAVED_ARGS["ckpt"] = argparse.Namespace(**saved_patch_args())
+    args = parsed_defaults(load="ckpt", use_checkpoint_args=True)
+
+    fake_training.initialize.initialize_megatron(args)
+
+    assert {name: getattr(args, name) for name in PATCH_FIELD_NAMES} == saved_patch_args()
+    assert len(fake_training.utils.PRINTED) == len(PATCH_FIELD_NAMES)
+
+
+def test_no_checkpoint_to_read_changes_nothing(fake_training):
+    megatron_lm.enable()
+    args = parsed_defaults(load="elsewhere", use_checkpoint_args=True)
+    fake_training.initialize.initialize_megatron(args)
+    assert args == parsed_defaults(load="elsewhere", use_checkpoint_args=True)
+
+
+def test_restore_forces_switches_and_keeps_settings_given_on_the_command_line():
+    args = argparse.Namespace(moe_single_grouped_weight=False, moe_mlp_glu_interleave_size=16,
+                              moe_hybridep_num_blocks_permute=None)
+    saved = argparse.Namespace(moe_single_grouped_weight=True, moe_mlp_glu_interleave_size=32,
+                               moe_hybridep_num_blocks_permute=4)
+    restored = megatron_lm.restore_patch_args(args, saved)
+    assert sorted(restored) == ["moe_hybridep_num_blocks_permute", "moe_single_grouped_weight"]
+    assert (args.moe_single_grouped_weight, args.moe_mlp_glu_interleave_size,
+            args.moe_hybridep_num_blocks_permute) == (True, 16, 4)
+
+
+def test_a_checkpoint_from_before_the_patch_set_changes_nothing():
+    args = argparse.Namespace(moe_single_grouped_weight=True, moe_mlp_glu_interleave_size=None)
+    assert megatron_lm.restore_patch_args(args, argparse.Namespace(num_layers=2)) == []
+    assert args == argparse.Namespace(moe_single_grouped_weight=True, moe_mlp_glu_interleave_size=None)
+
+
+def test_enable_twice_wraps_once_and_disable_restores_megatron_lm(fake_training):
+    stock = fake_training.checkpointing.load_args_from_checkpoint
+    megatron_lm.enable()
+    megatron_lm.enable()
+    wrapped = fake_training.checkpointing.load_args_from_checkpoint
+    assert wrapped is not stock and wrapped.__wrapped__ is stock
+    assert fake_training.initialize.load_args_from_checkpoint is wrapped
+    megatron_lm.disable()
+    assert fake_training.checkpointing.load_args_from_checkpoint is stock
+    assert fake_training.initialize.load_args_from_checkpoint is stock
+
+
+def test_disable_reverts_only_what_enable_applied(fake_training):
+    apply(["C0"])
+    megatron_lm.enable()
+    assert len(applied_ids()) > 1
+    megatron_lm.disable()
+    assert applied_ids() == {"C0"}
+
+
+# --- Megatron-LM core_v0.16.1 itself ---------------------------------------------------------
+
+real_megatron_lm = pytest.mark.skipif(
+    not os.environ.get("MEGATRON_LM_PATH"),
+    reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.1 checkout",
+)
+
+
+
+@pytest.fixture(scope="module")
+def megatron_training():
+    """Megatron-LM's ``megatron.training`` from the checkout (after site-packages on the path,
+    as its ``megatron`` folder is another portion of the namespace package)."""
+    path = os.environ["MEGATRON_LM_PATH"]
+    sys.path.append(path)
+    # Megatron-LM's training module configures the root logger when imported.
+    root_handlers, root_level = logging.root.handlers[:], logging.root.level
+    try:
+        from megatron.training import arguments, checkpointing, initialize
+    except ImportError as error:
+        sys.path.remove(path)
+        pytest.skip(f"Megatron-LM at {path} does not import here: {error}")
+    yield types.SimpleNamespace(path=path, arguments=arguments, checkpointing=checkpointing,
+                                initialize=initialize)
+    logging.root.handlers[:], logging.root.level = root_handlers, root_level
+    sys.path.remove(path)
+
+
+def user_provider(parser):
+    parser.add_argument("--user-flag", type=int, default=3, help="a flag of the user's provider")
+    return parser
+
+
+def megatron_parse_args(training, argv, monkeypatch, **kwargs):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    return training.arguments.parse_args(**kwargs)
+
+
+@real_megatron_lm
+def test_megatron_lm_parses_every_patch_flag_with_its_default(megatron_training, monkeypatch):
+    megatron_lm.enable()
+    args = megatron_parse_args(megatron_training, ["--user-flag", "7"], monkeypatch,
+                               extra_args_provider=user_provider)
+    defaults = {f.name: f.default for f in PATCH_FIELDS}
+    assert {name: getattr(args, name) for name in PATCH_FIELD_NAMES} == defaults
+    assert args.user_flag == 7  # the provider pretrain_gpt.py passes keeps working beside them
+
+    argv = [*[flag(n) for n in SWITCHES], *[a for n in SETTINGS for a in (flag(n), "8")]]
+    args = megatron_parse_args(megatron_training, argv, monkeypatch, extra_args_provider=user_provider)
+    assert {name: getattr(args, name) for name in PATCH_FIELD_NAMES} == saved_patch_args()
+
+
+def patch_flags_help_missing_from(help_output):
+    """The patch fields whose flag is not followed by its help text in ``help_output``."""
+    text = " ".join(help_output.split())
+    missing = []
+    for field in PATCH_FIELDS:
+        help_text = " ".join(field.metadata["help"].split())
+        if not re.search(re.escape(flag(field.name)) + r"( [A-Z_]+)? " + re.escape(help_text), text):
+            missing.append(field.name)
+    return missing
+
+
+@real_megatron_lm
+@pytest.mark.parametrize("parse", [
+    # pretrain_gpt.py's first parse (inprocess_restart), the one that answers --help
+    dict(ignore_unknown_args=True),
+    # initialize_megatron's, with the provider pretrain_gpt.py passes
+    dict(extra_args_provider=user_provider),
+])
+def test_megatron_lm_help_shows_the_patch_flags_help(megatron_training, monkeypatch, capsys, parse):
+    megatron_lm.enable()
+    monkeypatch.setenv("COLUMNS", "100000")  # no wrapping inside a help text
+    with pytest.raises(SystemExit) as exited:
+        megatron_parse_args(megatron_training, ["--help"], monkeypatch, **parse)
+    assert exited.value.code == 0
+    assert patch_flags_help_missing_from(capsys.readouterr().out) == []
+
+
+@real_megatron_lm
+def test_pretrain_gpt_with_the_readme_lines_shows_the_patch_flags_help(megatron_training, tmp_path):
+    """Megatron-LM's own pretrain_gpt.py, edited as README says, run with --help."""
+    source = open(os.path.join(megatron_training.path, "pretrain_gpt.py")).read()
+    assert source.count(MAIN_BLOCK) == 1
+    edited = tmp_path / "pretrain_gpt.py"
+    edited.write_text(README_IMPORT + source.replace(MAIN_BLOCK, MAIN_BLOCK + README_CALL))
+    run = (f"import runpy, sys; sys.path.append({megatron_training.path!r}); "
+           f"sys.argv = [{str(edited)!r}, '--help']; runpy.run_path(sys.argv[0], run_name='__main__')")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", run], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "100000"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert patch_flags_help_missing_from(out.stdout) == []
+
+
+@real_megatron_lm
+def test_megatron_lm_builds_the_config_with_the_patch_fields(megatron_training, monkeypatch):
+    megatron_lm.enable()
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+            "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+            "--micro-batch-size", "1", "--bf16", "--swiglu", "--num-experts", "4",
+            "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-single-grouped-weight", "--moe-device-tokens-per-expert",
+            "--moe-mlp-glu-interleave-size", "16"]
+    args = megatron_parse_args(megatron_training, argv, monkeypatch)
+    # validate_args asks the GPU's compute capability for --moe-grouped-gemm: say Hopper.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    megatron_training.arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    config = megatron_training.arguments.core_transformer_config_from_args(args)
+    assert (config.moe_single_grouped_weight, config.moe_device_tokens_per_expert,
+            config.moe_mlp_glu_interleave_size) == (True, True, 16)
+
+
+@real_megatron_lm
+def test_megatron_lm_use_checkpoint_args_restores_the_patch_flags(megatron_training, monkeypatch, tmp_path):
+    # A checkpoint in Megatron-LM's legacy torch layout holding the saved args.
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    rank_dir = tmp_path / "iter_0000005" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    saved = argparse.Namespace(num_layers=4, **saved_patch_args())
+    torch.save({"args": saved, "iteration": 5, "checkpoint_version": 3.0}, rank_dir / "model_optim_rng.pt")
+
+    megatron_lm.enable()
+    argv = ["--load", str(tmp_path), "--use-checkpoint-args"]
+    args = megatron_parse_args(megatron_training, argv, monkeypatch)
+
+    class ArgsRestored(Exception):
+        """Stops initialize_megatron where it has restored the args, before its GPU set-up."""
+
+    def stop(restored_args, defaults):
+        raise ArgsRestored(restored_args)
+
+    monkeypatch.setattr(megatron_training.initialize, "validate_args", stop)
+    with pytest.raises(ArgsRestored) as restored:
+        megatron_training.initialize.initialize_megatron(parsed_args=args, allow_no_cuda=True)
+    args = restored.value.args[0]
+    assert args.num_layers == 4  # Megatron-LM's own restore ran too
+    assert {name: getattr(args, name) for name in PATCH_FIELD_NAMES} == saved_patch_args()
+
+
+def test_the_dataset_helpers_build_is_skipped_only_where_the_wheel_ships_them_built(monkeypatch):
+    """megatron-core's wheel has the compiled helpers and no Makefile: Megatron-LM's `make`
+    would fail and end the run. A source tree (Makefile there) or no compiled module: its build runs."""
+    import sys
+    import types
+
+    from megatron.core.datasets import utils
+
+    stock = utils.compile_helpers
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", types.ModuleType("helpers_cpp"))
+    monkeypatch.setattr(megatron_lm.os.path, "exists", lambda path: False)
+    megatron_lm._skip_dataset_helpers_build()
+    try:
+        assert utils.compile_helpers is not stock and utils.compile_helpers() is None
+    finally:
+        megatron_lm.disable()
+    assert utils.compile_helpers is stock
+    monkeypatch.setattr(megatron_lm.os.path, "exists", lambda path: path.endswith("Makefile"))
+    megatron_lm._skip_dataset_helpers_build()
+    assert utils.compile_helpers is stock
