@@ -14,12 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron.moe_patches.driver import arguments, megatron_lm_flags
-from megatron.moe_patches.driver.arguments import build_parser, parse_args, transformer_config_kwargs
+from megatron.moe_patches.driver.arguments import build_parser, transformer_config_kwargs
 from megatron.moe_patches.driver.megatron_lm_flags import BY_NAME, FLAGS, NOT_OFFERED, refused_flags, supported_flags
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES
 
