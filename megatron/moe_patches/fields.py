@@ -86,6 +86,11 @@ def patch_option(config, name: str):
 _said = set()
 
 
+def flag_name(field_name: str) -> str:
+    """Megatron-LM's flag for a config field or arg: ``moe_foo_bar`` is ``--moe-foo-bar``."""
+    return "--" + field_name.replace("_", "-")
+
+
 def log_once(logger: logging.Logger, level: int, message: str) -> None:
     """Log ``message`` the first time it comes up in this process (layers are built many times)."""
     if message not in _said:

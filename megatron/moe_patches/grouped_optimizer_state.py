@@ -53,6 +53,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_f
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron.moe_patches.grouped_checkpoint_keys import normalize_grouped_keys
+from megatron.moe_patches.fields import flag_name
 
 GROUPED_ENTRIES_KEY = "__grouped_param_factories__"
 EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.)(?P<base>weight|bias)(?P<index>\d*)$")
@@ -201,19 +202,15 @@ def bucket_layout_refusal(sharding_type: Optional[str], saved: Optional[Dict], c
            "that way once and save with --dist-ckpt-optim-fully-reshardable, whose per-parameter "
            "states load into any layout; --no-load-optim loads the model alone.")
     if saved is None:
-        now = ", ".join(f"{_flag(n)} {v}" for n, v in current.items() if v != LAYOUT_FIELDS[n])
+        now = ", ".join(f"{flag_name(n)} {v}" for n, v in current.items() if v != LAYOUT_FIELDS[n])
         return (f"the checkpoint's {sharding_type} distributed-optimizer states record no expert parameter "
                 f"layout, and this run's layout is not the stock one ({now}): they would load in another "
                 f"order, each expert's states in another expert's place. {fix}")
-    pairs = ", ".join(f"{_flag(n)} {saved[n]} (checkpoint) vs {current[n]} (now)"
+    pairs = ", ".join(f"{flag_name(n)} {saved[n]} (checkpoint) vs {current[n]} (now)"
                       for n in LAYOUT_FIELDS if saved[n] != current[n])
     return (f"the checkpoint's {sharding_type} distributed-optimizer states are flat buffers in another expert "
             f"parameter layout: {pairs}; loading them would put each expert's states in another expert's "
             f"place. {fix}")
-
-
-def _flag(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 class GroupedParamDistributedOptimizer(DistributedOptimizer):

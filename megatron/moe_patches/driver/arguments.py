@@ -36,6 +36,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import add_moe_patch_args, config_kwargs_from_args
+from megatron.moe_patches.fields import flag_name
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
 
 
@@ -539,10 +540,6 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
     return path
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
 # Sizes and counts: at least 1 (0 would divide by zero or build nothing).
 AT_LEAST_ONE = (
     "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
@@ -607,19 +604,19 @@ def _values(args: argparse.Namespace, names) -> List[Tuple[str, object]]:
 def _check_ranges(args: argparse.Namespace) -> None:
     for name, value in _values(args, AT_LEAST_ONE + AT_LEAST_ONE_IF_SET):
         if value < 1:
-            raise ValueError(f"{_flag(name)} {value}: must be at least 1")
+            raise ValueError(f"{flag_name(name)} {value}: must be at least 1")
     for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS):
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{_flag(name)} {value}: must be a finite number")
+            raise ValueError(f"{flag_name(name)} {value}: must be a finite number")
     for name, value in _values(args, NOT_NEGATIVE):
         if value < 0:
-            raise ValueError(f"{_flag(name)} {value}: must not be negative")
+            raise ValueError(f"{flag_name(name)} {value}: must not be negative")
     for name, value in _values(args, FRACTIONS):
         if not 0 <= value < 1:
-            raise ValueError(f"{_flag(name)} {value}: must be at least 0 and below 1")
+            raise ValueError(f"{flag_name(name)} {value}: must be at least 0 and below 1")
     for name, value in _values(args, POSITIVE_FLOATS):
         if value <= 0:
-            raise ValueError(f"{_flag(name)} {value}: must be above 0")
+            raise ValueError(f"{flag_name(name)} {value}: must be above 0")
 
 
 # Megatron-LM has no default for these and stops without them; so does this driver.
@@ -628,7 +625,7 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 
 
 def _check_required(args: argparse.Namespace) -> None:
-    missing = [_dest_flags().get(name, _flag(name)) for name in REQUIRED if getattr(args, name, None) is None]
+    missing = [_dest_flags().get(name, flag_name(name)) for name in REQUIRED if getattr(args, name, None) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (Megatron-LM has no default for "
                          f"{'it' if len(missing) == 1 else 'them'}); give {'it' if len(missing) == 1 else 'them'}"

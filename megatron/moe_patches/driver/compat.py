@@ -29,6 +29,7 @@ import functools
 from typing import Optional
 
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.fields import flag_name
 
 
 def patch_set_installs() -> bool:
@@ -50,10 +51,6 @@ def config_class():
 
 def config_fields() -> frozenset:
     return frozenset(field.name for field in dataclasses.fields(config_class()))
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _not_here() -> str:
@@ -82,7 +79,7 @@ def fit_config_kwargs(kwargs: dict) -> dict:
     missing = sorted(name for name, value in kwargs.items()
                      if name not in fields and value is not None and value is not False)
     if missing:
-        flags = ", ".join(_flag(name) for name in missing)
+        flags = ", ".join(flag_name(name) for name in missing)
         raise ValueError(
             f"{flags}: {_not_here()}, has no {'/'.join(missing)} config field; drop "
             f"{'it' if len(missing) == 1 else 'them'}, or train on a megatron-core the patch set installs into"

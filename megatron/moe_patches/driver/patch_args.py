@@ -12,15 +12,11 @@ import logging
 import typing
 from typing import Dict, List, Literal, NamedTuple, Optional, get_args, get_origin
 
-from megatron.moe_patches.fields import PATCH_FIELDS, MoEPatchFields
+from megatron.moe_patches.fields import PATCH_FIELDS, MoEPatchFields, flag_name
 
 logger = logging.getLogger(__name__)
 
 GROUP_TITLE = "MoE patch set"
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 def _argparse_kwargs(field, annotation) -> dict:
