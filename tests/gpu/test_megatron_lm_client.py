@@ -1,5 +1,5 @@
 """Every feature in Megatron-LM's own training loop (core_v0.16.1): its pretrain_gpt.py with the
-lines README adds (megatron_lm_pretrain.py), a tiny GPT-MoE on mock data.
+lines README adds (megatron.moe_patches.testing.megatron_lm_pretrain), a tiny GPT-MoE on mock data.
 
 - CUDA graphs of the MoE layers (F11) under --cuda-graph-impl local and transformer_engine:
   every MoE layer is captured (the count the patch set prints) and the losses equal the eager
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(
     not CHECKOUT or not Path(CHECKOUT, "pretrain_gpt.py").exists(),
@@ -53,7 +52,7 @@ def megatron_lm(*flags, iters=8, expect_failure=False, stock=False):
     """One torchrun of Megatron-LM's pretrain_gpt.py (edited as README says, or as shipped with
     ``stock``); (losses by iteration, output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
-           str(HERE / "megatron_lm_pretrain.py"), *TINY, "--train-iters", str(iters), *flags]
+           "-m", "megatron.moe_patches.testing.megatron_lm_pretrain", *TINY, "--train-iters", str(iters), *flags]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")
     env.setdefault("NCCL_ALGO", "Ring")  # --deterministic-mode asks for a fixed NCCL algorithm
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), CHECKOUT]))

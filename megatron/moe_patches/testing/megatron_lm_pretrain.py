@@ -1,6 +1,6 @@
 """Megatron-LM's own pretrain_gpt.py (from the checkout MEGATRON_LM_PATH names) with the lines
 README's "Training with Megatron-LM's own pretrain_gpt.py" tells a user to add, run as the
-user would run the edited file: ``python megatron_lm_pretrain.py <Megatron-LM flags>``
+user would run the edited file: ``python -m megatron.moe_patches.testing.megatron_lm_pretrain <flags>``
 (``MEGATRON_LM_AS_SHIPPED=1``: the file unedited, for stock runs to compare with)."""
 
 import os
@@ -27,7 +27,8 @@ def _stock_run_on_the_wheel():
         utils.compile_helpers = lambda: None
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Run pretrain_gpt.py of MEGATRON_LM_PATH with this process's sys.argv[1:] as its flags."""
     checkout = os.environ["MEGATRON_LM_PATH"]
     sys.path.insert(0, checkout)
     path = os.path.join(checkout, "pretrain_gpt.py")
@@ -37,3 +38,7 @@ if __name__ == "__main__":
         _stock_run_on_the_wheel()
     source = open(path).read() if as_shipped else edited_source(path)
     exec(compile(source, path, "exec"), {"__name__": "__main__", "__file__": path})
+
+
+if __name__ == "__main__":
+    main()
