@@ -1,7 +1,8 @@
 """Charts from the benchmark JSON lines: ``python benchmarks/plot.py [files...] [--out DIR]``.
 
 One PNG per results file (default: every ``benchmarks/*.jsonl``) in ``benchmarks/charts/``,
-with two panels:
+with two panels (a file of other lines, such as ``exchange_stores.py``'s kernel timings,
+is skipped with a line saying so; the exit status is 1 only when no chart was drawn):
 
 - speedup vs stock: one bar per non-stock variant for each case (shape, precision,
   tokens), the ``speedup_vs_stock`` that ``moe_layer.py`` computed against the stock
@@ -27,7 +28,16 @@ SHAPE_ORDER = ("qwen3-30b-a3b", "deepseek-v2-lite", "mixtral")
 PER_GPU_FIELDS = {"tokens_per_gpu": "tokens", "tflops_per_gpu": "tflops"}
 
 
+# The fields a chart reads from every line (moe_layer.py's and moe_layer_ep.py's results).
+CHART_FIELDS = ("shape", "tokens", "precision", "variant", "tflops", "speedup_vs_stock")
+
+
+class NotPlottable(ValueError):
+    """A results file these charts cannot draw (another benchmark's lines, or none)."""
+
+
 def load_rows(path: Path) -> List[dict]:
+    """The file's benchmark lines; NotPlottable, saying why, where a chart cannot be drawn."""
     rows = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -35,15 +45,16 @@ def load_rows(path: Path) -> List[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise SystemExit(f"{path}:{number}: not a JSON line ({err.msg})") from None
+            raise NotPlottable(f"{path}:{number}: not a JSON line ({err.msg})") from None
         for per_gpu, name in PER_GPU_FIELDS.items():  # moe_layer_ep.py's lines: per GPU
             if per_gpu in row and name not in row:
                 row[name] = row[per_gpu]
+        missing = [key for key in CHART_FIELDS if key not in row]
+        if missing:  # e.g. exchange_stores.py's kernel timings
+            raise NotPlottable(f"{path}:{number}: not a layer benchmark line (no {', '.join(missing)})")
         rows.append(row)
-    missing = [key for key in ("shape", "tokens", "precision", "variant", "tflops", "speedup_vs_stock")
-               if rows and key not in rows[0]]
-    if not rows or missing:
-        raise SystemExit(f"{path}: no benchmark lines" + (f" (missing {', '.join(missing)})" if missing else ""))
+    if not rows:
+        raise NotPlottable(f"{path}: no benchmark lines")
     return rows
 
 
@@ -189,9 +200,21 @@ def main(argv=None) -> int:
     files = args.files or sorted(HERE.glob("*.jsonl"))
     if not files:
         parser.error(f"no results files in {HERE}")
+    return 0 if draw_charts(files, args.out, plt) else 1
+
+
+def draw_charts(files: Sequence[Path], out_dir: Path, plt) -> List[Path]:
+    """One chart per file; a file no chart can be drawn from is skipped with a line saying
+    why, and the others are drawn all the same. Returns the charts written."""
+    written = []
     for path in files:
-        print(plot_file(path, args.out, plt))
-    return 0
+        try:
+            written.append(plot_file(path, out_dir, plt))
+        except NotPlottable as err:
+            print(f"skipped: {err}", file=sys.stderr)
+            continue
+        print(written[-1])
+    return written
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ upstream's spelling so recipes stay portable.
 """
 
 import logging
-import os
 from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -24,6 +23,7 @@ from megatron.moe_patches.fields import (
     LEGACY_GROUPED_GEMM,
     PATCH_FIELDS,
     MoEPatchFields,
+    env_switch,
     log_once,
     uses_legacy_grouped_gemm,
 )
@@ -162,7 +162,7 @@ def _resolve_env_aliases(config) -> None:
     """The seed's variable is a process-wide switch (TE reads it per GEMM): it turns
     moe_device_tokens_per_expert on where it can apply, grouped experts, and leaves dense
     layers and SequentialMLP experts alone, saying so once."""
-    if config.moe_device_tokens_per_expert or os.environ.get(DEVICE_SPLITS_ENV_ALIAS) != "1":
+    if not env_switch(DEVICE_SPLITS_ENV_ALIAS) or config.moe_device_tokens_per_expert:
         return
     if _has_grouped_experts(config):
         log_once(logger, logging.INFO, f"{DEVICE_SPLITS_ENV_ALIAS}=1: setting moe_device_tokens_per_expert=True")

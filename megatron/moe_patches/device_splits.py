@@ -27,7 +27,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron.moe_patches.expert_backends import ExpertBackend, glu_activation
+from megatron.moe_patches.expert_backends import ExpertBackend, glu_activation, run_forward_pre_hooks
 from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
 from megatron.moe_patches.single_grouped_params import make_grouped
@@ -231,6 +231,7 @@ class GroupedMMBackend(ExpertBackend):
 
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+        run_forward_pre_hooks((fc1, fc2), x_TH)  # their weights are read below, their forward never runs
         groups = RowGroups(tokens_per_expert_E, x_TH.shape[0], x_TH.device)
         biases = (self._grouped(fc1, "bias"), self._grouped(fc2, "bias")) if self._biases else (None, None)
         out_TH = grouped_mm_mlp(

@@ -44,6 +44,19 @@ def host_tokens_per_expert(tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     return tokens_per_expert_E
 
 
+def run_forward_pre_hooks(modules, *args) -> None:
+    """Run the forward pre-hooks of ``modules``, whose forward a backend bypasses to read their
+    parameters itself. Megatron's DDP waits there for those parameters' all-gather under
+    --overlap-param-gather (and dispatches the next bucket's): skipped, the backend would read
+    weights whose update has not landed, and later buckets would never be gathered."""
+    for module in modules:
+        for key, hook in list(module._forward_pre_hooks.items()):  # torch keeps them here only
+            if key in module._forward_pre_hooks_with_kwargs:
+                hook(module, args, {})
+            else:
+                hook(module, args)
+
+
 def glu_activation(config) -> Optional[str]:
     """"swiglu" or "quick_geglu" for the gated activations the fused backends compute, else None."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu

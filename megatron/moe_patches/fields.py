@@ -6,16 +6,45 @@ of this package, so every module may import it).
 for Megatron-LM's flag generator). Feature code reads a field with
 ``patch_option(config, name)``, which also answers for configs built from megatron-core's
 stock classes (they lack the fields: the default applies). ``log_once`` is the one
-"say it once per process" helper the patch modules share.
+"say it once per process" helper the patch modules share. ``env_switch`` is the one reader
+of the package's on/off environment variables, and ``shown`` how every message echoes a
+value the user gave.
 """
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 # The seed (ROCm PR) switches device-resident splits on with this variable.
 DEVICE_SPLITS_ENV_ALIAS = "NVTE_USE_GROUPED_GEMM_TRITON"
+# The values an on/off environment variable takes; unset is off.
+SWITCH_VALUES = ("0", "1")
+
+# A value longer than this is echoed shortened (a path fits whole).
+SHOWN_LIMIT = 200
+SHOWN_HEAD = 60
+
+
+def shown(value) -> str:
+    """``value`` as a message echoes it: whole, or its first characters and its length."""
+    text = str(value)
+    if len(text) <= SHOWN_LIMIT:
+        return text
+    return f"{text[:SHOWN_HEAD]}... ({len(text)} characters)"
+
+
+def env_switch(name: str) -> bool:
+    """An on/off environment variable: unset or 0 is off, 1 is on; any other value is a
+    ValueError naming the variable (it would otherwise read as off without a word)."""
+    value = os.environ.get(name)
+    if value is None:
+        return False
+    if value not in SWITCH_VALUES:
+        raise ValueError(f"{name}={shown(value)!r}: accepted values are {' and '.join(SWITCH_VALUES)} "
+                         "(unset: 0); set one or unset the variable")
+    return value == "1"
 
 
 def _field(default, help: str):

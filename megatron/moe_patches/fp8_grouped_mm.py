@@ -6,7 +6,8 @@ tensorwise``, the experts run ``FP8GroupedMMBackend``: the grouped_mm backend's 
 all local experts, device offsets, no host sync.
 
 Scaling, as TE's current (tensorwise) scaling does it per GEMM: one scale per expert per
-operand, from that expert's amax (``scale = 448 / amax``; 1 where the amax is 0). The
+operand, from that expert's amax (``scale = 448 / amax``; 1 where the amax is 0 or not finite,
+float32's largest value where it overflows: ``scales_from_amax``). The
 GEMM takes the dequantization scales row-wise (activations: the row's expert's scale;
 weights: the expert's scale per output column), so no rescaling pass is needed.
 
@@ -113,8 +114,13 @@ class FP8WeightCache:
 
 
 def scales_from_amax(amax_E: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) per expert: x * scale fills E4M3's range; 1 where nothing was seen."""
-    scale_E = torch.where(amax_E > 0, E4M3_MAX / amax_E, torch.ones_like(amax_E))
+    """(scale, scale_inv) per expert: x * scale fills E4M3's range. As TE's current scaling:
+    1 where the amax is 0, inf or NaN (nothing sensible to fit), and float32's largest value
+    where 448 / amax overflows (amax below about 1.3e-36, e.g. an expert's tiny gradients): an
+    infinite scale would turn the expert's zeros into NaN (0 x inf) and its values into 0."""
+    fits = (amax_E > 0) & torch.isfinite(amax_E)
+    scale_E = torch.where(fits, E4M3_MAX / amax_E, torch.ones_like(amax_E))
+    scale_E = scale_E.clamp(max=torch.finfo(torch.float32).max)
     return scale_E, torch.reciprocal(scale_E)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.fields import shown
 from megatron.moe_patches.registry import SERIES, Feature, get
 
 logger = logging.getLogger(__name__)
@@ -60,11 +61,51 @@ def rebind_everywhere(old: object, new: object) -> int:
     return count
 
 
-def _ids(features: Union[str, Iterable[str]]) -> set:
-    """Feature ids from "F4", "F1,F4" or an iterable of ids; an unknown id raises KeyError."""
+# What apply()/revert() take as ``features``, for their refusals.
+FEATURES_ACCEPTED = ("None (the whole series), a feature id such as 'F4', ids joined by commas ('C0,F4') "
+                     "or a list of ids")
+
+
+class UnknownFeature(KeyError, ValueError):
+    """An id in ``features`` that the series does not have: a bad value of the argument, and
+    a KeyError as registry.get raises."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # KeyError's own would print the message quoted
+
+
+def _series_ids() -> str:
+    return ", ".join(feature.id for feature in SERIES)
+
+
+def _feature_items(features) -> Iterable:
+    """The entries of ``features``; a TypeError naming the argument where it is neither a
+    str nor an iterable of entries (an int; bytes, which iterate as ints)."""
     if isinstance(features, str):  # iterating "F4" would give "F" and "4"
-        features = features.split(",")
-    return {get(feature_id.strip()).id for feature_id in features}
+        return features.split(",")
+    if not isinstance(features, (bytes, bytearray)):
+        try:
+            return iter(features)
+        except TypeError:
+            pass
+    raise TypeError(f"features: got {type(features).__name__} {shown(repr(features))}; expected {FEATURES_ACCEPTED} "
+                    f"(the series: {_series_ids()})")
+
+
+def _ids(features: Union[str, Iterable[str]]) -> set:
+    """Feature ids from "F4", "F1,F4" or an iterable of ids. An entry that is not a str is a
+    TypeError, an unknown id an UnknownFeature (a ValueError and a KeyError); both name the
+    ``features`` argument."""
+    ids = set()
+    for position, item in enumerate(_feature_items(features)):
+        if not isinstance(item, str):
+            raise TypeError(f"features[{position}]: got {type(item).__name__} {shown(repr(item))}; expected a "
+                            f"feature id string (the series: {_series_ids()})")
+        try:
+            ids.add(get(item.strip()).id)
+        except KeyError as err:
+            raise UnknownFeature(f"features: {err.args[0]}") from None
+    return ids
 
 
 def _selected(features: Optional[Union[str, Iterable[str]]]) -> List[Feature]:

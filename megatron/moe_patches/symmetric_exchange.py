@@ -101,16 +101,27 @@ def exchange_blocker(config, ep_size: int) -> Optional[str]:
     return None
 
 
+EP1_NOTHING_TO_EXCHANGE = (
+    "moe_symmetric_exchange (--moe-symmetric-exchange) has nothing to exchange at "
+    "expert_model_parallel_size=1: every expert is local and the alltoall dispatcher already keeps "
+    "the token counts on the GPU (--moe-device-tokens-per-expert); the symmetric exchange runs at EP > 1 only."
+)
+
+
 def symmetric_exchange_for(config, ep_group, ep_size: int) -> Optional["SymmetricExchange"]:
     """The exchange the alltoall dispatcher uses for ``config``, or None for NCCL (the
     reason logged once)."""
     if not patch_option(config, "moe_symmetric_exchange"):
         return None
+    if ep_size == 1:
+        # Accepted (a recipe or a checkpoint's restored args may carry it to an EP 1 run, and
+        # exchange_config_errors holds at every EP size), but said: it exchanges nothing here.
+        log_once(logger, logging.WARNING, EP1_NOTHING_TO_EXCHANGE)
+        return None
     reason = exchange_blocker(config, ep_size)
     if reason is not None:
-        if ep_size > 1:
-            log_once(logger, logging.WARNING,
-                     f"moe_symmetric_exchange: the expert-parallel exchange stays NCCL's all-to-all because {reason}")
+        log_once(logger, logging.WARNING,
+                 f"moe_symmetric_exchange: the expert-parallel exchange stays NCCL's all-to-all because {reason}")
         return None
     log_once(logger, logging.INFO, f"moe_symmetric_exchange: EP={ep_size} tokens go through symmetric memory")
     return SymmetricExchange(ep_group, config.moe_router_topk)

@@ -16,10 +16,12 @@ Tolerance. Kernel and twin read the same FP8 values and float32 scales, so they 
 - accumulation, fast (tensorwise fast_accum=True): K / 32 chained steps of 2**-13 each,
   truncation-biased, so they add up: (K / 32) * 2**-13 of m.
 Allowed: bf16 output, split: 2 ulp(m); bf16, fast: 1 ulp(m) + (K / 32) * 2**-13 * m;
-float32 output (wgrad), split: 2**-11 * S, where S is, element by element, the sum of the
+float32 output (wgrad), split: 2**-8 * S, where S is, element by element, the sum of the
 absolute products (the twin on |A|, |B|): wgrad sums thousands of tokens whose partial sums
-can be far larger than the result, and the relative accumulation error is of the partial
-sums, not of m. Rows no expert owns, and experts with no rows, are exact (zeros). No timing
+can be far larger than the result, so the error is bounded relative to S, not m; and a
+K = 32 FP8 MMA step aligns its 32 products to the largest one before keeping ~14 bits, so one
+step may lose up to 32 * 2**-13 = 2**-8 of its largest product (measured on an H100:
+errors of 2**-11 to 2**-9.5 of m, above the 2**-11 first assumed). Rows no expert owns, and experts with no rows, are exact (zeros). No timing
 is asserted anywhere.
 """
 
@@ -50,7 +52,7 @@ def check(got, want, K, *, fast=False, what="", abs_sum=None):
     if want.dtype == torch.bfloat16:
         allowed = (1 if fast else BF16_TERM) * ulp_bf16(m) + ((K / 32) * 2.0**-13 * m if fast else 0.0)
     else:
-        allowed = 2.0**-11 * (abs_sum.float() if abs_sum is not None else m) + ((K / 32) * 2.0**-13 * m if fast else 0.0)
+        allowed = 2.0**-8 * (abs_sum.float() if abs_sum is not None else m) + ((K / 32) * 2.0**-13 * m if fast else 0.0)
     err = (got.float() - want.float()).abs()
     excess = (err - allowed).max().item()
     assert excess <= 0, f"{what}: max abs error {err.max().item()} exceeds the allowed error (m = {m})"

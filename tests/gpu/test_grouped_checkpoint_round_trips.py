@@ -35,11 +35,29 @@ from pretrain_runs import (  # tests/gpu is on sys.path (conftest.py)
 # (X, Y, next-step losses bitwise equal): equal where both layouts run the same kernels.
 PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuser", False),
          ("op_fuser", "interleave", False), ("grouped", "sequential", False), ("te_bias", "grouped_bias", False)]
-WORK = Path(tempfile.mkdtemp(prefix="checkpoint-round-trips-"))
+_work, _work_lock = [], threading.Lock()
+
+
+def work_dir() -> Path:
+    """The folder of this module's runs, made when the first run needs it (the background
+    jobs start before any fixture runs); ``remove_work_dir`` removes it."""
+    with _work_lock:
+        if not _work:
+            _work.append(Path(tempfile.mkdtemp(prefix="checkpoint-round-trips-")))
+        return _work[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remove_work_dir():
+    """After the module's last test (each waits for its own runs): remove the runs' folder."""
+    yield
+    with _work_lock:
+        if _work:
+            shutil.rmtree(_work.pop(), ignore_errors=True)
 
 
 def train_a(layout):
-    root = WORK / f"A-{layout}"
+    root = work_dir() / f"A-{layout}"
     losses = pretrain(layout, STEPS + 1, root, extra=["--save-interval", str(STEPS)])
     (root / "latest_checkpointed_iteration.txt").write_text(str(STEPS))  # resume from STEPS
     return root, losses[STEPS + 1]
@@ -61,7 +79,7 @@ def round_trip(x, y):
     """B = A loaded as y and saved at once, D = y's next step from A (beside B), then C = B
     loaded back as x. Its directories and the two next-step losses."""
     a_root, x_next = trained(x).result()
-    root = WORK / f"{x}-{y}"
+    root = work_dir() / f"{x}-{y}"
     root.mkdir()  # recipe_for writes a layout's recipe beside its runs
     d = later(pretrain, y, STEPS + 1, root / "D", a_root)
     pretrain(y, STEPS, root / "B", a_root)
@@ -133,7 +151,7 @@ def damaged_loads(layout):
     """Checkpoint A of ``layout`` loaded intact, damaged two ways, and at its later save, in
     one worker process: (the texts the refusals must contain, the worker's outcomes)."""
     a_root, _ = trained(layout).result()
-    work = WORK / f"damaged-{layout}"
+    work = work_dir() / f"damaged-{layout}"
     work.mkdir()
     missing, mis_shaped = work / "missing_expert", work / "mis_shaped"
     expected = [damaged_copy(a_root, missing, "missing_expert"), damaged_copy(a_root, mis_shaped, "mis_shaped")]
@@ -160,7 +178,8 @@ def test_damaged_checkpoint_is_refused_and_loads_nothing(single_gpu, background,
 
 
 def main_params_run(layout):
-    return one_rank_worker("main_params_worker.py", Path(tempfile.mkdtemp(prefix=f"main-params-{layout}-")), [],
+    return one_rank_worker("main_params_worker.py", Path(tempfile.mkdtemp(prefix=f"main-params-{layout}-",
+                                                                          dir=work_dir())), [],
                            [*LAYOUTS[layout], "--train-iters", "1"])
 
 

@@ -10,3 +10,12 @@ MODEL = ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "
 RUN = ["--seq-length", "512", "--max-position-embeddings", "512", "--vocab-size", "32000",
        "--micro-batch-size", "1", "--train-iters", "100", "--lr", "1e-4"]
 REQUIRED = MODEL + RUN
+
+
+def indexed_dataset(folder, name="data"):
+    """An (empty) Megatron indexed dataset's files, ``name``.bin and ``name``.idx in ``folder``:
+    what --data-path checks before start-up. Returns the prefix."""
+    prefix = folder / name
+    for ending in (".bin", ".idx"):
+        prefix.with_name(name + ending).touch()
+    return str(prefix)

@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
 from megatron.moe_patches.driver import checkpointing  # noqa: E402
 from megatron.moe_patches.driver.checkpointing import IncompleteCheckpointError, uncovered_tensors  # noqa: E402
 
+from checkpoint_files import complete_iteration  # noqa: E402
+
 KEY = "decoder.layers.0.mlp.experts.linear_fc1.weight"
 E, OUT, IN = 4, 2, 3
 
@@ -107,7 +109,7 @@ def test_load_refuses_a_damaged_checkpoint_before_reading(tmp_path, monkeypatch)
     from megatron.core import dist_checkpointing
 
     path = tmp_path / "iter_0000004"
-    dcp.save({KEY: torch.randn(E, OUT, IN)}, checkpoint_id=str(path), no_dist=True)
+    complete_iteration(path, tensors={KEY: torch.randn(E, OUT, IN)})
     (tmp_path / checkpointing.TRACKER).write_text("4")
     reads = []
     common = {"args": {}, "iteration": 4, "opt_param_scheduler": {}}

@@ -182,3 +182,18 @@ def test_permute_fusion_into_hybridep_needs_the_hybridep_dispatcher():
     config = build(moe_permute_fusion_into_hybridep=True, moe_token_dispatcher_type="flex",
                    moe_flex_dispatcher_backend="hybridep")
     assert config.moe_permute_fusion_into_hybridep
+
+
+def test_single_grouped_weight_needs_the_te_experts_not_the_legacy_ones():
+    with pytest.raises(ValueError, match="needs TE grouped experts.*moe_use_legacy_grouped_gemm=False"):
+        build(moe_single_grouped_weight=True, moe_use_legacy_grouped_gemm=True, use_transformer_engine_op_fuser=True)
+
+
+@pytest.mark.parametrize("name", ["moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+                                  "moe_permute_fusion_into_hybridep"])
+def test_hybridep_options_need_the_hybridep_backend_of_the_flex_dispatcher(name):
+    value = True if name == "moe_permute_fusion_into_hybridep" else 8
+    with pytest.raises(ValueError, match="HybridEP dispatcher"):
+        build(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", **{name: value})
+    assert getattr(build(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep", **{name: value}),
+                   name) == value

@@ -353,3 +353,69 @@ def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
     assert all(c.w8_EOI is w and c.scale_inv_E is s for c, (w, s) in zip(caches, held))
     w8_EOI, _, scale_inv_E = fp8.quantize_weights(backend._grouped(owner.linear_fc2).detach())
     assert torch.equal(caches[1].w8_EOI.float(), w8_EOI.float()) and torch.equal(caches[1].scale_inv_E, scale_inv_E)
+
+
+@pytest.mark.parametrize("capability, reason", [((9, 0), None), ((10, 0), None), ((8, 0), "Hopper (sm90) or newer")])
+def test_grouped_mm_backend_needs_hopper_or_newer(monkeypatch, capability, reason):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    why = f8.GroupedMMBackend.blocker(cfg())
+    assert why is None if reason is None else reason in why
+
+
+@pytest.mark.parametrize("late, reason", [
+    (dict(fp4="nvfp4"), "bf16 only"),
+    (dict(fine_grained_activation_offloading=True), "activation offloading/recompute"),
+    (dict(delay_wgrad_compute=True), "--delay-wgrad-compute"),
+])
+def test_grouped_mm_backend_rows_set_after_construction(late, reason):
+    """Rows whose fields megatron-core checks against TE or other flags at construction: set late,
+    the backend table alone decides."""
+    config = cfg()
+    for name, value in late.items():
+        setattr(config, name, value)
+    assert reason in (f8.GroupedMMBackend.blocker(config) or "")
+    assert expert_table.select_backend(config).name == "te"
+
+
+class _FC(torch.nn.Module):
+    def __init__(self, out_features, in_features, experts=3):
+        super().__init__()
+        self.num_gemms = experts
+        for i in range(experts):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(
+                (torch.randn(out_features, in_features) / 4).to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("grouped_weight", [False, True])
+def test_grouped_mm_backend_runs_the_fcs_forward_pre_hooks_before_reading_their_weights(grouped_weight):
+    """Megatron's DDP waits for a parameter's all-gather (--overlap-param-gather) in the forward
+    pre-hook of the module that holds it, and dispatches the next bucket's there. The backend
+    reads FC1's and FC2's weights without calling them, so it runs their hooks itself, before
+    reading. Here the hooks stand for the all-gather landing: they write new weights in place."""
+    torch.manual_seed(0)
+    config = cfg(moe_single_grouped_weight=grouped_weight)
+    hidden, ffn = 16, 8
+    owner = torch.nn.Module()
+    owner.config, owner.num_local_experts = config, 3
+    owner.linear_fc1, owner.linear_fc2 = _FC(2 * ffn, hidden), _FC(hidden, ffn)
+    backend = f8.GroupedMMBackend(owner)
+    landed = {fc: [(torch.randn_like(p) / 4) for p in fc.parameters()] for fc in (owner.linear_fc1, owner.linear_fc2)}
+    calls = []
+
+    def all_gather_lands(module, args, kwargs=None):
+        calls.append((module, args[0].shape, kwargs))
+        for p, new in zip(module.parameters(), landed[module]):
+            p.data.copy_(new)
+
+    owner.linear_fc1.register_forward_pre_hook(all_gather_lands)
+    owner.linear_fc1.register_forward_pre_hook(lambda module, args: calls.append("every hook"))
+    owner.linear_fc2.register_forward_pre_hook(all_gather_lands, with_kwargs=True)
+    counts = torch.tensor([3, 0, 2])
+    x = torch.randn(5, hidden, dtype=torch.bfloat16)
+    probs = torch.rand(5)
+    out, _ = backend.forward(owner, x, counts, probs)
+    assert calls == [(owner.linear_fc1, x.shape, None), "every hook", (owner.linear_fc2, x.shape, {})]
+    w1, w2 = (backend._grouped(fc).detach() for fc in (owner.linear_fc1, owner.linear_fc2))
+    assert torch.equal(w1.reshape(-1), torch.cat([t.reshape(-1) for t in landed[owner.linear_fc1]]))
+    torch.testing.assert_close(out, bf16_mlp(x, counts, probs, w1, w2, config), rtol=0, atol=0)

@@ -135,10 +135,15 @@ def test_an_optimizer_step_refreshes_the_cache_even_through_data():
     params = grouped_params()
     cache = fp8.FP8WeightCache()
     cache.get(torch.stack([p.detach() for p in params]), params)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    torch.optim.SGD(params, lr=0.1).step()
-    params[0].data = params[0].data + 1  # how a distributed optimizer writes: the version does not move
+    mains = [p.detach().clone() for p in params]  # the optimizer steps main copies ...
+    for main in mains:
+        main.grad = torch.ones_like(main)
+    torch.optim.SGD(mains, lr=0.1).step()
+    seen = [(p.data_ptr(), p._version) for p in params]
+    with torch.no_grad():
+        for p, main in zip(params, mains):
+            p.data.copy_(main)  # ... and writes them back as megatron-core does: in place, through .data
+    assert seen == [(p.data_ptr(), p._version) for p in params]  # nothing a parameter's counters show
     cache.get(torch.stack([p.detach() for p in params]), params)
     assert cache.refreshes == 2
 
@@ -194,3 +199,90 @@ def test_fp8_backend_takes_unpadded_rows(with_triton):
     config.moe_permute_fusion = True  # set late: megatron-core's check imports TE's kernels
     assert padding_plan(config).padded_by == NOBODY
     assert padding_plan(fp8_config(fp8_recipe="delayed")).align == 16  # the TE backend still pads
+
+
+def test_scales_stay_finite_where_448_over_the_amax_overflows():
+    """An expert whose values are all below ~1.3e-36 (bf16 holds them: tiny gradients): 448 / amax
+    overflows float32. An infinite scale made its zeros NaN (0 x inf) and dequantized every value
+    to 0; as TE's current scaling, the scale is float32's largest value instead. An amax of inf or
+    NaN fits nothing: scale 1."""
+    f32_max = torch.finfo(torch.float32).max
+    scale, scale_inv = fp8.scales_from_amax(torch.tensor([1e-38, 1e-37, float("inf"), float("nan"), 1e-35]))
+    assert scale.tolist()[:4] == [f32_max, f32_max, 1.0, 1.0]
+    assert scale[4] == torch.tensor(448.0) / torch.tensor(1e-35)  # representable: as computed
+    assert torch.isfinite(scale_inv).all() and (scale_inv > 0).all()
+
+    x_RC = torch.tensor([[1e-38, 0.0, -5e-39], [2.0, 1.0, 0.0]], dtype=torch.bfloat16)
+    expert_R = torch.tensor([0, 1], dtype=torch.int32)
+    q_RC, scale_inv_R, _, _ = fp8.quantize_per_expert(x_RC, expert_R, 2)
+    deq = q_RC.float() * scale_inv_R[:, None]
+    assert not torch.isnan(q_RC.float()).any()
+    assert deq[0, 1] == 0  # zeros stay zero
+    torch.testing.assert_close(deq, x_RC.float(), rtol=2.0**-3, atol=0)  # E4M3's rounding, no value lost
+
+
+@pytest.mark.parametrize("capability, reason", [((9, 0), None), ((10, 0), "Hopper (sm90) only"),
+                                                 ((8, 0), "Hopper (sm90) only")])
+def test_fp8_backend_runs_on_hopper_only(with_triton, monkeypatch, capability, reason):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    why = fp8.FP8GroupedMMBackend.precision_blocker(fp8_config())
+    assert why is None if reason is None else reason in why
+
+
+def test_fp8_backend_needs_torchs_scaled_grouped_mm(with_triton, monkeypatch):
+    monkeypatch.delattr(torch, "_scaled_grouped_mm")
+    assert expert_table.backend_support(fp8_config())["fp8_grouped_mm"] == (
+        f"torch {torch.__version__} has no torch._scaled_grouped_mm")
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_fp8_wgrad_follows_the_config(fp8_wgrad):
+    """--no-fp8-wgrad: the FCs get no transposed-copy layout (weight gradients in bf16)."""
+    from megatron.moe_patches.device_splits import RowGroups
+
+    config = fp8_config(fp8_wgrad=fp8_wgrad)
+    owner = torch.nn.Module()
+    owner.config, owner.num_local_experts = config, 2
+    for name in ("linear_fc1", "linear_fc2"):
+        linear = torch.nn.Module()
+        linear.num_gemms = 2
+        for i in range(2):
+            linear.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 8, dtype=torch.bfloat16)))
+        setattr(owner, name, linear)
+    backend = fp8.FP8GroupedMMBackend(owner)
+    groups = RowGroups(torch.tensor([3, 1]), 4, "cpu")
+    backend.linear(owner.linear_fc1, backend._grouped(owner.linear_fc1), groups)
+    assert ("fp8_wgrad_columns" in groups._derived) is fp8_wgrad
+
+
+def test_an_infinite_value_saturates_instead_of_becoming_nan():
+    """As TE's kernels: an inf makes its expert's amax inf, hence scale 1, and is stored as
+    +-448 (E4M3 has no inf: an unclamped cast would store NaN); the expert's other values keep
+    scale 1, the other experts their own scales."""
+    x_RC = torch.tensor([[float("inf"), 3.0, -float("inf")], [2.0, 1.0, 0.0]])
+    q_RC, _, scale_inv_E, _ = fp8.quantize_per_expert(x_RC, torch.tensor([0, 1], dtype=torch.int32), 2)
+    assert q_RC.float().tolist() == [[448.0, 3.0, -448.0], [448.0, 224.0, 0.0]]
+    assert torch.equal(scale_inv_E, torch.reciprocal(torch.tensor([1.0, 448.0 / 2.0])))
+
+
+def test_a_fallback_from_the_asked_backend_is_logged_once_and_only_for_its_precision(with_triton, monkeypatch, caplog):
+    """FP8 tensorwise with --moe-device-tokens-per-expert asks for fp8_grouped_mm; another recipe
+    falls back to TE with one line saying why, and no line about grouped_mm (bf16 only: it was
+    never asked for FP8). A bf16 config's fallback names grouped_mm's reason instead."""
+    import logging
+
+    from megatron.moe_patches import fields
+
+    monkeypatch.setattr(fields, "_said", set())
+    with caplog.at_level(logging.INFO, logger=expert_table.__name__):
+        expert_table.select_backend(fp8_config(fp8_recipe="delayed"))
+        expert_table.select_backend(fp8_config(fp8_recipe="delayed"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["moe_device_tokens_per_expert: not the fp8_grouped_mm expert backend because of "
+                     "--fp8-recipe delayed: it implements tensorwise (current) scaling only"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=expert_table.__name__):
+        expert_table.select_backend(fp8_config(fp8=None, expert_tensor_parallel_size=2))
+    assert [r.getMessage() for r in caplog.records] == [
+        "moe_device_tokens_per_expert: not the grouped_mm expert backend because of expert tensor parallelism > 1"]

@@ -24,6 +24,8 @@ from megatron.moe_patches.driver import checkpointing  # noqa: E402
 from megatron.moe_patches.driver.checkpointing import CheckpointError  # noqa: E402
 from megatron.moe_patches.glu_interleave import concatenated_factory, interleave_parameters  # noqa: E402
 
+from checkpoint_files import checkpoint_root  # noqa: E402
+
 PREFIX = "decoder.layers.0.mlp.experts.linear_fc1."
 E, ROWS, H = 2, 12, 3  # experts, FC1 rows (6 gate + 6 linear), hidden size
 # Rows of the concatenated layout (gate 0-5, then linear 0-5) in the order a block-2
@@ -217,9 +219,7 @@ class Untouched:
 
 def refusal(tmp_path, monkeypatch, common, args):
     """load's error for a checkpoint with ``common`` state; asserts nothing was read."""
-    path = tmp_path / "iter_0000004"
-    path.mkdir()
-    (tmp_path / checkpointing.TRACKER).write_text("4")
+    path = checkpoint_root(tmp_path, 4) / "iter_0000004"
     monkeypatch.setattr(checkpointing, "read_common_state", lambda p: common)
     monkeypatch.setattr(dist_checkpointing, "load", lambda *a, **kw: pytest.fail("tensors were read"))
     with pytest.raises(CheckpointError) as refused:

@@ -185,3 +185,19 @@ def test_state_dict_map_refusals_name_the_parameter():
     state["decoder.final_layernorm.weight"] = torch.zeros(IN + 1)
     with pytest.raises(ValueError, match=r"final_layernorm.weight: shape \(3,\), state dict entry \(4,\)"):
         state_dict_param_map(Experts(grouped=True).named_parameters(), state)
+
+
+def test_a_row_is_matched_by_storage_offset_shape_and_strides_exactly():
+    from megatron.moe_patches.grouped_optimizer_state import _row_index
+
+    param = torch.nn.Parameter(torch.randn(E, OUT, IN))
+    data = param.detach()
+    assert [_row_index(param, data[i]) for i in range(E)] == list(range(E))
+    shifted = data.view(-1)[1:1 + OUT * IN].view(OUT, IN)  # same storage, shape and strides, between rows
+    assert _row_index(param, shifted) is None
+    assert _row_index(param, data[1].t()) is None  # other strides
+    assert _row_index(param, data[1, :OUT - 1]) is None  # another shape
+    assert _row_index(param, data[1].clone()) is None  # another storage
+    beyond = torch.randn(E + 1, OUT, IN)
+    assert _row_index(beyond[:E], beyond[E]) is None  # the storage's next row is not the param's
+    assert _row_index(param, None) is None

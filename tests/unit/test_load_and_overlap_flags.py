@@ -14,6 +14,7 @@ from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.driver import arguments, checkpointing, training
 from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs
 
+import checkpoint_files
 from driver_model import REQUIRED, RUN
 
 pytestmark = pytest.mark.usefixtures("one_rank")
@@ -27,10 +28,8 @@ OVERLAP = [*MOE, *EP2, "--overlap-moe-expert-parallel-comm"]
 
 @pytest.fixture
 def checkpoint_dir(tmp_path):
-    """A --load directory that holds a checkpoint (tracker and iteration directory)."""
-    (tmp_path / "iter_0000004").mkdir()
-    (tmp_path / checkpointing.TRACKER).write_text("4")
-    return str(tmp_path)
+    """A --load directory that holds a checkpoint (tracker and a complete iteration directory)."""
+    return str(checkpoint_files.checkpoint_root(tmp_path, 4))
 
 
 @pytest.fixture
@@ -171,8 +170,7 @@ def fake_load(tmp_path, monkeypatch):
     loads with those args and returns (model, optimizer, scheduler); loads: the states read."""
     from megatron.core import dist_checkpointing
 
-    (tmp_path / "iter_0000007").mkdir()
-    (tmp_path / checkpointing.TRACKER).write_text("7")
+    checkpoint_files.checkpoint_root(tmp_path, 7)
     # Saved in another optimizer layout: only a load of the optimizer states must mind it.
     common = {"args": {"moe_single_grouped_weight": True, "use_distributed_optimizer": True}, "iteration": 7, "opt_param_scheduler": {"num_steps": 70}}
     loads = []

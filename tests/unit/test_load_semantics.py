@@ -12,6 +12,7 @@ from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.driver.arguments import build_parser, parse_args
 from megatron.moe_patches.fields import PATCH_FIELDS
 
+import checkpoint_files
 from driver_model import REQUIRED
 
 ERROR = "pretrain_gpt.py: error: "
@@ -21,11 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_rank")
 
 
 def checkpoint_root(tmp_path, iteration=4, tracker=None):
-    """A --load directory with a tracker and the iteration's directory (contents not read)."""
-    root = tmp_path / "ckpt"
-    (root / f"iter_{iteration:07d}").mkdir(parents=True)
-    (root / checkpointing.TRACKER).write_text(str(iteration) if tracker is None else tracker)
-    return root
+    """A --load directory with a tracker and a complete checkpoint of ``iteration``."""
+    return checkpoint_files.checkpoint_root(tmp_path / "ckpt", iteration, tracker=tracker)
 
 
 # --- no checkpoint: warn and start from scratch, or refuse -------------------------------
@@ -58,6 +56,7 @@ def test_no_checkpoint_warns_once_and_trains_from_scratch(tmp_path, capsys, kind
 
 
 def test_warning_is_printed_by_rank_0_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # rank 1 of 2: a RANK beyond WORLD_SIZE is refused
     monkeypatch.setenv("RANK", "1")
     capsys.readouterr()
     parse_args([*REQUIRED, "--load", str(tmp_path / "missing")])
@@ -105,16 +104,19 @@ def test_tracker_that_is_not_text(tmp_path, refused):
 def test_tracker_naming_a_missing_iteration(tmp_path, refused):
     root = checkpoint_root(tmp_path, tracker="40")
     assert refused([*REQUIRED, "--load", str(root)]) == (
-        f"the checkpoint tracker {root / checkpointing.TRACKER} names iteration 40, but {root / 'iter_0000040'} "
-        "does not exist: write the iteration of a saved checkpoint into it")
+        f"--load {root}: the checkpoint tracker {root / checkpointing.TRACKER} names iteration 40, but "
+        f"{root / 'iter_0000040'} does not exist; write 4 into {checkpointing.TRACKER} to resume from "
+        f"{root / 'iter_0000004'}, the newest complete checkpoint there, or point --load at another checkpoint")
 
 
 def test_use_checkpoint_args_needs_load_and_a_readable_checkpoint(tmp_path, refused):
     assert refused([*REQUIRED, "--use-checkpoint-args"]) == (
         "--use-checkpoint-args needs --load (the checkpoint directory)")
-    root = checkpoint_root(tmp_path)  # an iteration directory without megatron-core's files
+    root = checkpoint_root(tmp_path)
+    (root / "iter_0000004" / checkpointing.COMMON_FILE).unlink()  # the tensors only
     assert refused([*REQUIRED, "--load", str(root), "--use-checkpoint-args"]).startswith(
-        f"{root / 'iter_0000004'} holds no common state: neither common.pt nor")
+        f"--load {root}: the checkpoint tracker {root / checkpointing.TRACKER} names iteration 4, but "
+        f"{root / 'iter_0000004'} is not a complete checkpoint (no common.pt")
 
 
 def test_load_raises_naming_the_path_when_nothing_is_there(tmp_path):

@@ -22,7 +22,7 @@ from megatron.moe_patches.driver.arguments import build_parser, transformer_conf
 from megatron.moe_patches.driver.megatron_lm_flags import BY_NAME, FLAGS, NOT_OFFERED, refused_flags, supported_flags
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES
 
-from driver_model import REQUIRED
+from driver_model import REQUIRED, indexed_dataset
 
 pytestmark = pytest.mark.usefixtures("one_rank")
 
@@ -295,8 +295,8 @@ def test_warmup_fraction_and_recompute_activations(parsed, refused):
     assert kwargs["recompute_granularity"] == "selective"
 
 
-def test_data_path_without_split_takes_megatron_lms_legacy_split(parsed, capsys):
-    args = parsed([*REQUIRED, "--data-path", "prefix"])
+def test_data_path_without_split_takes_megatron_lms_legacy_split(parsed, capsys, tmp_path):
+    args = parsed([*REQUIRED, "--data-path", indexed_dataset(tmp_path)])
     assert args.split == arguments.LEGACY_SPLIT == "969, 30, 1"
     assert "--data-path without --split" in capsys.readouterr().err
 

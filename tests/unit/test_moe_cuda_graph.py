@@ -226,3 +226,159 @@ def test_capture_refuses_a_layer_the_table_refuses_before_any_gpu_work():
     layer.config = config(cuda_graph_impl="none", moe_token_dispatcher_type="flex")
     with pytest.raises(ValueError, match="cannot capture this MoE layer: the flex dispatcher"):
         MoELayerGraphs([layer], torch.zeros(8, 2, 4))
+
+
+# --- the eligibility table, one rule at a time ------------------------------------------------
+# Each row changes one field of a config that may be graphed and must get that row's refusal
+# (and only a rule's own change may: the complements below must stay graphable). The fields are
+# set after construction, so megatron-core's own checks of them (TE's kernels, FP8's recipe,
+# parallel sizes) do not decide what graph_blocker is asked.
+
+
+@pytest.fixture
+def graphable(monkeypatch):
+    """A config graph_blocker accepts; ``graphable(**fields)`` is a copy with ``fields`` set."""
+    import copy
+
+    from megatron.moe_patches import capabilities
+
+    monkeypatch.setattr(capabilities, "triton_available", lambda: True)  # the FP8 rows' backend
+    base = config(cuda_graph_impl="none")
+    assert graph_blocker(base) is None
+
+    def make(**fields):
+        c = copy.copy(base)
+        for name, value in fields.items():
+            setattr(c, name, value)
+        return c
+
+    return make
+
+
+FP8 = dict(fp8="e4m3", fp8_recipe="tensorwise")
+
+RECOMPUTE = "recompute of the MoE layer (--recompute-granularity / --recompute-modules)"
+GRAPH_TABLE = [  # the refusal, word for word: another row's reason must not pass for it
+    ("no MoE", dict(num_moe_experts=None), "it has no MoE layer (num_moe_experts is not set)"),
+    ("host counts", dict(moe_device_tokens_per_expert=False),
+     "the MoE layer copies token counts to the host: set --moe-device-tokens-per-expert"),
+    ("EP 2 over NCCL", dict(expert_model_parallel_size=2),
+     "--expert-model-parallel-size 2: NCCL's all-to-all takes host split sizes; add --moe-symmetric-exchange (F12) "
+     "or use EP 1"),
+    ("TP 2", dict(tensor_model_parallel_size=2), "tensor parallelism > 1 (the dispatchers gather with host split sizes)"),
+    ("expert TP 2", dict(expert_tensor_parallel_size=2),
+     "tensor parallelism > 1 (the dispatchers gather with host split sizes)"),
+    ("PP 2", dict(pipeline_model_parallel_size=2),
+     "pipeline parallelism: micro-batches in flight would share the graph's static buffers"),
+    ("flex dispatcher", dict(moe_token_dispatcher_type="flex"), "the flex dispatcher (graph-safe: alltoall, allgather)"),
+    ("unfused permute", dict(moe_permute_fusion=False),
+     "the unfused permute selects tokens with a host sync: set --moe-permute-fusion"),
+    ("token dropping", dict(moe_expert_capacity_factor=1.0),
+     "token dropping (--moe-expert-capacity-factor); megatron-core's own graphs cover drop-and-pad"),
+    ("router padding", dict(moe_router_padding_for_quantization=True),
+     "--moe-router-padding-for-quantization sizes the routing map on the host"),
+    ("input jitter", dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps draws random numbers inside the layer"),
+    ("shared-expert overlap", dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True),
+     "--moe-shared-expert-overlap runs the shared experts on a side stream"),
+    ("FP8 shared experts", dict(moe_shared_expert_intermediate_size=64, **FP8),
+     "shared experts under FP8 keep Transformer Engine's FP8 state, which this capture does not manage"),
+    ("full recompute", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), RECOMPUTE),
+    ("recompute moe", dict(recompute_granularity="selective", recompute_modules=["moe"]), RECOMPUTE),
+    ("recompute moe_act", dict(recompute_granularity="selective", recompute_modules=["moe_act"]), RECOMPUTE),
+    ("recompute shared experts", dict(recompute_granularity="selective", recompute_modules=["shared_experts"]),
+     RECOMPUTE),
+    ("CPU offloading", dict(cpu_offloading=True), "activation offloading"),
+    ("fine-grained offloading", dict(fine_grained_activation_offloading=True), "activation offloading"),
+    ("TE experts", dict(moe_apply_probs_on_input=True),
+     "the te expert backend takes host token counts (fp8_grouped_mm: it computes FP8 only (bf16 runs the grouped_mm "
+     "backend); grouped_mm: --moe-apply-probs-on-input)"),
+]
+
+
+@pytest.mark.parametrize("fields, reason", [row[1:] for row in GRAPH_TABLE], ids=[row[0] for row in GRAPH_TABLE])
+def test_each_rule_of_the_graph_table_refuses_by_itself(graphable, fields, reason):
+    assert graph_blocker(graphable(**fields)) == reason
+
+
+GRAPHABLE_NEIGHBOURS = [
+    # what a rule must not catch: the same field on the side that is safe
+    ("shared experts in bf16", dict(moe_shared_expert_intermediate_size=64)),
+    ("FP8 without shared experts", FP8),
+    ("selective recompute of other modules", dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
+    ("allgather dispatcher", dict(moe_token_dispatcher_type="allgather")),
+    ("EP 1, TP 1, PP 1 spelled out", dict(expert_model_parallel_size=1, tensor_model_parallel_size=1,
+                                           pipeline_model_parallel_size=1, expert_tensor_parallel_size=1)),
+    ("FP8 experts (fp8_grouped_mm)", dict(**FP8)),
+]
+
+
+@pytest.mark.parametrize("fields", [row[1] for row in GRAPHABLE_NEIGHBOURS], ids=[row[0] for row in GRAPHABLE_NEIGHBOURS])
+def test_the_graph_tables_neighbours_stay_graphable(graphable, fields):
+    assert graph_blocker(graphable(**fields)) is None
+
+
+def test_ep2_rows_of_the_graph_table_ask_the_exchange_with_the_ep_size(graphable, monkeypatch):
+    import megatron.moe_patches.moe_cuda_graph as moe_cuda_graph
+
+    asked = []
+    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: asked.append(ep) or "Triton is not installed")
+    ep4 = graphable(expert_model_parallel_size=4, moe_symmetric_exchange=True)
+    assert graph_blocker(ep4) == "--expert-model-parallel-size 4: the symmetric exchange cannot run here (Triton is not installed)"
+    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: asked.append(ep) or None)
+    assert graph_blocker(ep4) is None
+    # EP 2 with a runnable exchange still meets the rest of the table
+    assert "tensor parallelism > 1" in graph_blocker(graphable(expert_model_parallel_size=2, moe_symmetric_exchange=True,
+                                                               tensor_model_parallel_size=2))
+    assert asked == [4, 4, 2]
+    assert graph_blocker(graphable(moe_symmetric_exchange=True)) is None and asked == [4, 4, 2]  # EP 1: not asked
+
+
+@pytest.mark.parametrize("fields, graphs", [
+    (dict(), True),
+    (dict(cuda_graph_impl="transformer_engine"), True),
+    (dict(cuda_graph_impl="none"), False),
+    (dict(cuda_graph_scope=["attn"]), False),
+    (dict(cuda_graph_scope=[CudaGraphScope.moe_router]), False),
+    (dict(cuda_graph_scope=["attn", "moe"]), True),
+    (dict(num_moe_experts=None), False),
+    (dict(moe_expert_capacity_factor=1.0), True),  # dropping without padding: dropless capture, refused by the table
+    (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True), False),  # megatron-core's own
+    (dict(moe_pad_expert_input_to_capacity=True), True),
+])
+def test_which_configs_ask_for_dropless_moe_graphs(fields, graphs):
+    import copy
+
+    from megatron.moe_patches.moe_cuda_graph import graphs_dropless_moe
+
+    c = copy.copy(config())
+    for name, value in fields.items():
+        setattr(c, name, value)
+    assert graphs_dropless_moe(c) is graphs
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(tensor_model_parallel_size=2), "tensor parallelism > 1"),
+    (dict(expert_tensor_parallel_size=2), "tensor parallelism > 1"),
+    (dict(moe_expert_capacity_factor=1.0), "token dropping"),
+    (dict(cpu_offloading=True, cpu_offloading_num_layers=0), "activation offloading"),
+], ids=["TP 2", "expert TP 2", "token dropping", "CPU offloading"])
+def test_the_patched_config_refuses_table_rows_at_construction(overrides, reason):
+    with pytest.raises(ValueError) as exc:
+        config(**overrides)
+    assert "cuda_graph_scope=moe for dropless MoE" in str(exc.value) and reason in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("late", [
+    dict(moe_expert_capacity_factor=1.0),  # dropping: the row count is the capacity's
+    dict(moe_router_padding_for_quantization=True, fp8="e4m3"),  # the router pads the map on the host
+    dict(fp8="e4m3", fp8_recipe="delayed"),  # F1 pads in the permute: padded counts
+], ids=["token dropping", "router padding", "F1 padding"])
+def test_allgather_keeps_host_counts_where_the_row_count_is_not_tokens_times_topk(late, monkeypatch):
+    from megatron.moe_patches import capabilities
+
+    monkeypatch.setattr(capabilities, "te_fused_permute_pad", lambda: True)
+    c = config(cuda_graph_impl="none", moe_token_dispatcher_type="allgather")
+    assert dispatchers.allgather_keeps_counts_on_device(c, 1, 1)
+    for name, value in late.items():
+        setattr(c, name, value)
+    assert not dispatchers.allgather_keeps_counts_on_device(c, 1, 1)

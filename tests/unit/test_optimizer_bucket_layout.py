@@ -18,9 +18,11 @@ from megatron.moe_patches.grouped_optimizer_state import (
 STOCK = {"moe_single_grouped_weight": False, "moe_single_grouped_bias": False, "moe_mlp_glu_interleave_size": None}
 GROUPED = {**STOCK, "moe_single_grouped_weight": True}
 INTERLEAVED = {**STOCK, "moe_mlp_glu_interleave_size": 32}
+GROUPED_BIAS = {**STOCK, "moe_single_grouped_bias": True}
 
 
-@pytest.mark.parametrize("saved, now", [(STOCK, GROUPED), (GROUPED, STOCK), (STOCK, INTERLEAVED), (INTERLEAVED, STOCK)])
+@pytest.mark.parametrize("saved, now", [(STOCK, GROUPED), (GROUPED, STOCK), (STOCK, INTERLEAVED), (INTERLEAVED, STOCK),
+                                        (STOCK, GROUPED_BIAS), (GROUPED_BIAS, GROUPED)])
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "dp_zero_gather_scatter"])
 def test_bucket_states_across_layouts_are_refused_by_flag(saved, now, sharding):
     refusal = bucket_layout_refusal(sharding, saved, now)
@@ -29,7 +31,7 @@ def test_bucket_states_across_layouts_are_refused_by_flag(saved, now, sharding):
     assert "--dist-ckpt-optim-fully-reshardable" in refusal and sharding in refusal
 
 
-@pytest.mark.parametrize("layout", [STOCK, GROUPED, INTERLEAVED])
+@pytest.mark.parametrize("layout", [STOCK, GROUPED, INTERLEAVED, GROUPED_BIAS])
 def test_bucket_states_load_into_their_own_layout(layout):
     assert bucket_layout_refusal("dp_reshardable", dict(layout), dict(layout)) is None
 

@@ -67,3 +67,50 @@ def test_plan_does_not_depend_on_what_is_applied(moe_config, monkeypatch, revert
     before = padding_plan(moe_config(fp8="e4m3"))
     apply()
     assert padding_plan(moe_config(fp8="e4m3")) == before
+
+
+def test_fp4_needs_alignment_too(moe_config):
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    config = moe_config()
+    config.fp4 = "nvfp4"  # set late: megatron-core asks TE about FP4 at construction
+    assert quantization_alignment(config) == get_align_size_for_quantization(config) is not None
+
+
+# One rule of the fused permute+pad (F1) at a time: where it cannot run, the experts pad.
+F1_BLOCKED = [
+    (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0), "pads to capacity instead"),
+    (dict(moe_grouped_gemm=False), "it needs TE grouped experts"),
+    (dict(transformer_impl="local"), "it needs TE grouped experts"),
+    (dict(moe_use_legacy_grouped_gemm=True), "it needs TE grouped experts"),
+    (dict(expert_tensor_parallel_size=2), "expert tensor parallelism > 1"),
+    (dict(moe_permute_fusion=False), "it needs --moe-permute-fusion"),
+    (dict(moe_token_dispatcher_type="flex"), "the flex dispatcher pads by its own means"),
+]
+
+
+@pytest.mark.parametrize("fields, reason", F1_BLOCKED, ids=[r for _, r in F1_BLOCKED])
+def test_each_f1_rule_hands_the_padding_to_the_experts(moe_config, monkeypatch, fields, reason):
+    from megatron.moe_patches.routed_expert_padding import _fused_permute_pad_blocker
+
+    monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
+    config = moe_config(fp8="e4m3")
+    assert _fused_permute_pad_blocker(config) is None and padding_plan(config).padded_by == PERMUTE
+    for name, value in fields.items():  # set late: the rule alone decides, not megatron-core's checks
+        setattr(config, name, value)
+    assert reason in (_fused_permute_pad_blocker(config) or "")
+    assert padding_plan(config).padded_by == EXPERTS and not skip_routed_expert_padding(config)
+
+
+def test_an_alignment_of_one_means_nobody_pads(moe_config, monkeypatch):
+    """A backend that takes any row count (required_alignment 1) needs no padding anywhere,
+    whatever the recipe's own GEMM alignment."""
+    from megatron.moe_patches import expert_table
+    from megatron.moe_patches.expert_backends import TEBackend
+
+    monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
+    monkeypatch.setattr(TEBackend, "required_alignment", classmethod(lambda cls, config: 1))
+    monkeypatch.setattr(expert_table, "BACKENDS", (TEBackend,))
+    config = moe_config(fp8="e4m3")
+    assert quantization_alignment(config) is None
+    assert padding_plan(config).padded_by == NOBODY and not skip_routed_expert_padding(config)

@@ -9,7 +9,7 @@ import pytest
 from megatron.moe_patches.driver.arguments import build_parser, parse_args
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, RecipeError, apply_recipe, flatten_recipe, read_recipe
 
-from driver_model import REQUIRED
+from driver_model import REQUIRED, indexed_dataset
 
 ERROR = "pretrain_gpt.py: error: "
 
@@ -65,12 +65,14 @@ def test_float_flags_take_ints_and_yaml_exponents(tmp_path):
 
 
 def test_good_values_and_lists(tmp_path):
+    pre_a, pre_b = indexed_dataset(tmp_path, "pre_a"), indexed_dataset(tmp_path, "pre_b")
     args = parse_args(["--yaml-cfg", recipe(tmp_path, "num-layers: 4\nswiglu: true\nnormalization: RMSNorm\n"
-                                            "data-path: [0.3, pre_a, 0.7, pre_b]\nsplit: 98,2,0\n"), *REQUIRED[2:]])
+                                            f"data-path: [0.3, {pre_a}, 0.7, {pre_b}]\nsplit: 98,2,0\n"),
+                       *REQUIRED[2:]])
     assert (args.num_layers, args.swiglu, args.normalization, args.split) == (4, True, "RMSNorm", "98,2,0")
-    assert args.data_path == ["0.3", "pre_a", "0.7", "pre_b"]
-    one = recipe(tmp_path, "data-path: only_prefix\n", "one.yaml")
-    assert parse_args([*REQUIRED, "--yaml-cfg", one]).data_path == ["only_prefix"]
+    assert args.data_path == ["0.3", pre_a, "0.7", pre_b]
+    one = recipe(tmp_path, f"data-path: {pre_a}\n", "one.yaml")
+    assert parse_args([*REQUIRED, "--yaml-cfg", one]).data_path == [pre_a]
 
 
 def test_flag_named_switches_and_flags_with_another_dest(tmp_path):

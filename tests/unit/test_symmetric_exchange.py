@@ -109,6 +109,12 @@ def _config(**overrides):
     ({"moe_expert_capacity_factor": 1.0}, ["moe_expert_capacity_factor"]),
     ({"moe_permute_fusion": False}, ["--moe-permute-fusion"]),
     ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
+    ({"expert_tensor_parallel_size": 2}, ["expert_tensor_parallel_size=1"]),
+    ({"moe_router_padding_for_quantization": True}, ["unset moe_router_padding_for_quantization"]),
+    ({"moe_pad_expert_input_to_capacity": True}, ["moe_pad_expert_input_to_capacity"]),
+    ({"expert_tensor_parallel_size": 2, "moe_router_padding_for_quantization": True},
+     ["expert_tensor_parallel_size=1", "unset moe_router_padding_for_quantization"]),  # every contradiction listed
+    ({"moe_symmetric_exchange": False, "moe_token_dispatcher_type": "allgather"}, []),  # the flag off: no rule
 ])
 def test_config_rules_name_the_flag_and_the_fix(overrides, names):
     defaults = dict(expert_tensor_parallel_size=1, moe_expert_capacity_factor=None,
@@ -378,3 +384,181 @@ def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkey
         torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
         torch.testing.assert_close(dx, x_RH.grad, rtol=0, atol=1e-12)
         torch.testing.assert_close(dp, probs_R.grad, rtol=0, atol=1e-12)
+
+
+# --- which process can run the exchange (exchange_blocker), one rule at a time ------------------
+
+
+@pytest.fixture
+def fused_permute_kernels(monkeypatch):
+    """megatron-core checks at config construction that TE's fused permute kernels exist; stand-ins
+    answer that check on a machine without TE (nothing here calls them)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        monkeypatch.setattr(moe_utils, name, object(), raising=False)
+
+
+@pytest.fixture
+def hopper_node(monkeypatch, fused_permute_kernels):
+    """What exchange_blocker asks of the machine, answered as a Hopper node with Triton would."""
+    from megatron.moe_patches import capabilities
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(capabilities, "triton_available", lambda: True)
+    monkeypatch.setattr(capabilities, "te_fused_permute_pad", lambda: True)
+
+
+def _exchange_config(**fields):
+    """A config the exchange's config rules accept (bf16 grouped_mm experts), ``fields`` set after
+    construction (megatron-core's own checks of FP8 need TE)."""
+    from megatron.moe_patches.config import PatchedTransformerConfig
+
+    config = PatchedTransformerConfig(**_config(expert_model_parallel_size=2))
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.mark.parametrize("fields, ep, reason", [
+    ({}, 2, None),
+    ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, 2, None),  # the FP8 experts are grouped_mm's kind
+    ({}, 1, "expert parallelism is 1"),
+    ({"moe_apply_probs_on_input": True}, 2, "the experts run the te backend, which needs host split sizes"),
+    ({"fp8": "e4m3", "fp8_recipe": "delayed"}, 2, "the dispatcher pads each expert's rows for quantization (F1)"),
+], ids=["bf16", "fp8 tensorwise", "EP 1", "TE experts", "F1 pads"])
+def test_exchange_blocker_table(hopper_node, fields, ep, reason):
+    from megatron.moe_patches.symmetric_exchange import exchange_blocker
+
+    found = exchange_blocker(_exchange_config(**fields), ep)
+    assert found is None if reason is None else reason in (found or ""), found
+
+
+def test_exchange_blocker_asks_the_machine(hopper_node, monkeypatch):
+    import importlib.util
+
+    from megatron.moe_patches import capabilities
+    from megatron.moe_patches.symmetric_exchange import exchange_blocker
+
+    config = _exchange_config()
+    assert exchange_blocker(config, 2) is None
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch.distributed._symmetric_memory" else real_find_spec(name, *a))
+    assert exchange_blocker(config, 2) == f"torch {torch.__version__} has no symmetric memory"
+    monkeypatch.setattr(capabilities, "triton_available", lambda: False)
+    assert exchange_blocker(config, 2) == "Triton is not installed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert exchange_blocker(config, 2) == "no CUDA device"
+
+
+def test_the_dispatcher_gets_the_exchange_only_where_it_can_run(hopper_node, monkeypatch, caplog):
+    from megatron.moe_patches import fields
+    from megatron.moe_patches import symmetric_exchange as sx
+
+    monkeypatch.setattr(fields, "_said", set())
+    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2, group_name="ep")
+    config = _exchange_config()
+    with caplog.at_level(logging.INFO, logger=sx.__name__):
+        exchange = sx.symmetric_exchange_for(config, group, 2)
+        assert isinstance(exchange, sx.SymmetricExchange) and exchange.group is group and exchange.topk == 8
+        assert sx.symmetric_exchange_for(_exchange_config(moe_symmetric_exchange=False), group, 2) is None
+        monkeypatch.setattr(sx, "exchange_blocker", lambda c, ep: "Triton is not installed")
+        assert sx.symmetric_exchange_for(config, group, 2) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["moe_symmetric_exchange: the expert-parallel exchange stays NCCL's all-to-all because "
+                        "Triton is not installed"]
+
+
+def test_the_flag_at_ep1_is_said_to_exchange_nothing_and_its_rules_still_hold(monkeypatch, caplog,
+                                                                              fused_permute_kernels):
+    """EP 1 has nothing to exchange. The flag is accepted there (one recipe serves EP 1 and EP 2,
+    and --use-checkpoint-args restores it from an EP 2 checkpoint into an EP 1 run) and says so;
+    the config rules it brings hold at EP 1 too, so it never accepts what EP 2 would refuse."""
+    from megatron.moe_patches import fields
+    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.config import PatchedTransformerConfig
+
+    monkeypatch.setattr(fields, "_said", set())
+    monkeypatch.setattr(sx, "exchange_blocker", lambda c, ep: pytest.fail("EP 1 asks no runtime question"))
+    config = PatchedTransformerConfig(**_config())
+    assert config.expert_model_parallel_size == 1
+    with caplog.at_level(logging.INFO, logger=sx.__name__):
+        assert sx.symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=1) is None
+        sx.symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=1)
+    said = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in said] == [sx.EP1_NOTHING_TO_EXCHANGE]  # once per process
+    assert "--moe-symmetric-exchange" in said[0].getMessage() and "EP > 1" in said[0].getMessage()
+    with pytest.raises(ValueError, match="moe_symmetric_exchange.*alltoall"):
+        PatchedTransformerConfig(**_config(moe_token_dispatcher_type="allgather"))
+
+
+def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(monkeypatch, fused_permute_kernels):
+    """The exchange lands rows grouped by local expert: at EP 2 the dispatcher skips the chunk
+    sort when (and because) it has an exchange; without one it sorts as megatron-core does."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron.moe_patches import dispatchers
+
+    def stock_init(self, *args, **kwargs):  # megatron-core's own needs CUDA streams
+        self.config, self.ep_group, self.ep_size, self.tp_size = kwargs["config"], "ep-group", 2, 1
+
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "__init__", stock_init)
+    asked = []
+    exchange = object()
+    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, ep: asked.append((g, ep)) or exchange)
+    config = _exchange_config()
+    dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=config)
+    assert dispatcher.exchange is exchange and dispatcher.skips_chunk_sort and asked == [("ep-group", 2)]
+    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, ep: None)
+    assert not dispatchers.PatchedAlltoAllTokenDispatcher(config=config).skips_chunk_sort
+
+
+def test_a_plan_is_sized_from_tokens_times_topk(monkeypatch):
+    from megatron.moe_patches import symmetric_exchange as sx
+
+    exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 1, size=lambda: 2, group_name="ep"), topk=3)
+    counts_SE = torch.tensor([[1, 2, 0, 3], [2, 0, 2, 2]])
+    monkeypatch.setattr(exchange, "gather_counts", lambda counts_E: counts_SE)
+    plan = exchange.plan(counts_SE[1], tokens=2)
+    assert plan.rows_sent == 6  # the sender's rows: tokens x top-k
+    assert plan.rows_bound == sx.owner_rows_bound(2, 2, 3, 2) == 8
+    assert plan.tokens_per_local_expert.tolist() == [0 + 2, 3 + 2]
+
+
+def test_the_owners_tail_starts_after_the_rows_received_not_the_rows_sent(monkeypatch):
+    """Rank 0 sends 3 rows and receives 5: the tail zeroing keeps all 5 received rows."""
+    from megatron.moe_patches import symmetric_exchange as sx
+
+    counts_SE = torch.tensor([[1, 2], [4, 0]])  # rank 0 sends 3 rows, receives 1 + 4 = 5
+    plan = ExchangePlan(counts_SE, 0, rows_sent=3, rows_bound=8)
+    assert int(plan.to_owners.ends_C[-1]) == 3 and int(plan.to_sources.ends_C[-1]) == 5
+    exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 0, size=lambda: 2, group_name="ep"), topk=1)
+    buffer = torch.full((8, 2), 7.0)
+    monkeypatch.setattr(exchange, "_send", lambda chunks, rows, direction, tensors: [buffer.clone() for _ in tensors])
+    monkeypatch.setattr(sx, "copy_rows_zero_tail", _zero_from)
+    monkeypatch.setattr(sx, "zero_rows_from", lambda b, used: b.copy_(_zero_from(b, used)))
+    for keep in (True, False):
+        (owners,) = exchange.send_to_owners(plan, torch.ones(3, 2), keep=keep)
+        assert owners[:5].eq(7).all() and not owners[5:].any(), (keep, owners)
+
+
+@pytest.mark.parametrize("graphs", [[], ["--cuda-graph-impl", "local", "--cuda-graph-scope", "moe"]],
+                         ids=["eager", "graphed"])
+def test_a_recipe_with_the_fused_permute_takes_the_exchange_at_ep2_without_te(parsed, monkeypatch, graphs):
+    """On a machine without Transformer Engine (this one) megatron-core cannot check
+    moe_permute_fusion; the exchange's rule that needs it must still read the recipe's value
+    (the qwen3 proxy recipe sets it), not refuse with "set moe_permute_fusion=True"."""
+    from megatron.moe_patches import capabilities
+
+    if capabilities.te_version() is not None:
+        pytest.skip("this checks the path without Transformer Engine")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(capabilities, "triton_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    args = parsed(["--yaml-cfg", "qwen3-30b-a3b-proxy", "--expert-model-parallel-size", "2",
+                   "--moe-symmetric-exchange", "--train-iters", "10", "--lr-warmup-iters", "1", *graphs])
+    assert args.moe_symmetric_exchange and args.moe_permute_fusion and args.expert_model_parallel_size == 2

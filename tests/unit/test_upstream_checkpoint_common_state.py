@@ -188,10 +188,12 @@ def test_load_and_saved_args_refuse_it_before_reading_tensors(tmp_path, monkeypa
     from megatron.core import dist_checkpointing
 
     root = tmp_path / "ckpt"
-    (root / "iter_0000005").mkdir(parents=True)
+    write_upstream_form(root / "iter_0000005", pickled([{"iteration": 5}]))  # megatron-core's files ...
+    (root / "iter_0000005" / ".metadata").unlink()  # ... but no index of the tensors: no common state
     (root / checkpointing.TRACKER).write_text("5")
     monkeypatch.setattr(dist_checkpointing, "load", lambda *a, **kw: pytest.fail("tensors were read"))
-    expected = "^" + re.escape(f"{root / 'iter_0000005'} holds no common state")
+    expected = "^" + re.escape(f"--load {root}: the checkpoint tracker {root / checkpointing.TRACKER} names "
+                               f"iteration 5, but {root / 'iter_0000005'} is not a complete checkpoint (no .metadata")
     with pytest.raises(CheckpointError, match=expected):
         checkpointing.saved_args(str(root))
     with pytest.raises(CheckpointError, match=expected):

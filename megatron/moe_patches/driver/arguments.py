@@ -5,13 +5,15 @@ The flags the driver runs are defined here with Megatron-LM's names and defaults
 other flags come from ``megatron_lm_flags``, which refuses each by name where it asks
 for what the driver does not do. ``parse_args`` = defaults < ``--yaml-cfg`` recipe <
 command line, then, before any CUDA or NCCL work: ``first_refusal`` (those flags),
-``apply_megatron_lm_rules`` (what Megatron-LM makes of the flags as given),
-``check_load`` (what ``--load`` holds; ``--use-checkpoint-args`` takes the checkpoint's
-model args here), ``check_args`` (Megatron-LM's required flags, contradictions, sizes,
-parallel sizes against ``WORLD_SIZE``) and ``validate_config`` (the full TransformerConfig
-with the patch fields, built as ``training.setup`` builds it). Every refusal is one
-``pretrain_gpt.py: error: ...`` line on stderr (more lines only where there are several
-problems) naming the flags and the fix, with exit status 2 and no traceback.
+``check_environment`` (the variables the run reads), ``apply_megatron_lm_rules`` (what
+Megatron-LM makes of the flags as given), ``check_load`` (what ``--load`` holds;
+``--use-checkpoint-args`` takes the checkpoint's model args here), ``check_args``
+(Megatron-LM's required flags, ``INT_RANGES``, contradictions, parallel sizes against
+``WORLD_SIZE``, the data files and output directories) and ``validate_config`` (the full
+TransformerConfig with the patch fields, built as ``training.setup`` builds it). Every
+refusal is one ``pretrain_gpt.py: error: ...`` line on stderr (more lines only where there
+are several problems) naming the flags and the fix, with exit status 2 and no traceback; a
+long value it echoes is shortened (``fields.shown``).
 ``transformer_config_kwargs`` maps the args to megatron-core's TransformerConfig
 (patched by ``apply()``, so the MoE patch fields are accepted; on a megatron-core the
 patch set does not install into, its own class, with the kwargs
@@ -28,7 +30,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -36,7 +38,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import add_moe_patch_args, config_kwargs_from_args
-from megatron.moe_patches.fields import flag_name
+from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
 
 
@@ -367,6 +369,16 @@ class DriverHelpFormatter(argparse.HelpFormatter):
         return f"{help_text} (default: %(default)s)"
 
 
+# A run of characters long enough to be an echoed value, not a word of a message.
+_LONG_VALUE = re.compile(r"[^\s'\"]{%d,}" % (SHOWN_LIMIT + 1))
+
+
+def shorten_long_values(message: str) -> str:
+    """``message`` with every over-long value in it shortened as ``shown`` does (argparse's
+    own messages echo what was typed whole)."""
+    return _LONG_VALUE.sub(lambda match: shown(match.group(0)), message)
+
+
 class DriverArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line: ``prog: error: message`` on stderr, exit status 2.
 
@@ -375,7 +387,7 @@ class DriverArgumentParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {shorten_long_values(message)}\n")
 
 
 PROG = "pretrain_gpt.py"
@@ -400,19 +412,60 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 def _rank() -> int:
     try:
         return int(os.environ.get("RANK", "0"))
-    except ValueError:
+    except ValueError:  # check_environment refuses it; warnings before that print anyway
         return 0
+
+
+def _launcher_int(name: str, default: int, low: int, high: Optional[int], what: str) -> int:
+    """An integer variable the launcher sets (torchrun), ``default`` where unset; a value
+    outside [low, high] is a ValueError naming the variable and ``what`` it must be."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < low or (high is not None and number > high):
+        raise ValueError(f"{name}={shown(value)!r} (set by the launcher) is not {what}")
+    return number
 
 
 def world_size_from_env() -> int:
     """The number of ranks the launcher starts (torchrun sets WORLD_SIZE; a plain run is 1)."""
-    value = os.environ.get("WORLD_SIZE", "1")
-    try:
-        world = int(value)
-    except ValueError:
-        world = 0
-    if world < 1:
-        raise ValueError(f"WORLD_SIZE={value!r} (set by the launcher) is not a positive integer")
+    return _launcher_int("WORLD_SIZE", 1, 1, None, "a positive integer")
+
+
+# The package's on/off environment variables (fields.env_switch reads them).
+ENV_SWITCHES = (DEVICE_SPLITS_ENV_ALIAS,)
+# With --deterministic-mode the driver sets these where they are unset; a value already set
+# that allows non-deterministic kernels would win without a word.
+DETERMINISTIC_ENV = {
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),
+    "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8"),
+}
+
+
+def _check_deterministic_env() -> None:
+    for name, accepted in DETERMINISTIC_ENV.items():
+        value = os.environ.get(name)
+        if value is not None and value not in accepted:
+            raise ValueError(f"{name}={shown(value)!r} with --deterministic-mode: the run would not be "
+                             f"deterministic; set {' or '.join(accepted)}, or unset it (the driver then sets it)")
+
+
+def check_environment(args: argparse.Namespace) -> int:
+    """The environment variables the run reads, judged before start-up: the launcher's
+    ranks, the package's switches, and the determinism settings of --deterministic-mode.
+    Returns the world size."""
+    world = world_size_from_env()
+    for name in ("RANK", "LOCAL_RANK"):
+        _launcher_int(name, 0, 0, world - 1, f"a rank from 0 to {world - 1} (WORLD_SIZE {world})")
+    _launcher_int("MASTER_PORT", 0, 1, 65535, "a TCP port (1 to 65535)")
+    for name in ENV_SWITCHES:
+        env_switch(name)
+    if args.deterministic_mode:
+        _check_deterministic_env()
     return world
 
 
@@ -434,7 +487,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
             parser.error(str(err))
         except OSError as err:  # a --yaml-cfg that names no file and no built-in recipe
             message = str(err)
-            parser.error(message if message.startswith("--yaml-cfg") else f"--yaml-cfg {first.yaml_cfg}: {message}")
+            parser.error(message if message.startswith("--yaml-cfg") else f"--yaml-cfg {shown(first.yaml_cfg)}: {message}")
     args = parser.parse_args(argv)  # unknown flags: argparse names them and exits
 
     def warn(message: str) -> None:
@@ -446,8 +499,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
         parser.error(refused)
     megatron_lm_flags.drop_refused(args)
     try:
+        world_size = check_environment(args)
         apply_megatron_lm_rules(args, warn)
-        world_size = world_size_from_env()
         check_load(args, warn)
         check_args(args, world_size=world_size)
         validate_config(args)
@@ -540,17 +593,43 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
     return path
 
 
-# Sizes and counts: at least 1 (0 would divide by zero or build nothing).
-AT_LEAST_ONE = (
-    "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size",
-    "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-    "expert_model_parallel_size", "moe_router_topk", "log_interval", "rotary_base",
-)
-AT_LEAST_ONE_IF_SET = (
-    "ffn_hidden_size", "num_query_groups", "kv_channels", "max_position_embeddings", "num_experts",
-    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "expert_tensor_parallel_size",
-    "global_batch_size", "lr_decay_iters", "save_interval",
-)
+class IntRange(NamedTuple):
+    """The values an integer flag takes: ``low`` .. ``high``; ``why`` says where ``high`` comes from."""
+
+    low: Optional[int]  # None: judged by the patch set's own checks, which say more
+    high: int
+    why: str
+
+
+INT32_MAX = 2**31 - 1
+# Sizes and counts: at least 1 (0 would divide by zero or build nothing), and 32-bit, as the
+# GEMM, attention and communication kernels take their sizes (and a larger one is no real run).
+SIZE = IntRange(1, INT32_MAX, "2**31 - 1, the largest size the kernels take")
+STEPS = IntRange(0, INT32_MAX, "2**31 - 1")
+# The patch flags: config.validate_moe_patch_config refuses values below 1 (before start-up too).
+PATCH_SIZE = IntRange(None, INT32_MAX, SIZE.why)
+# Every integer flag the driver runs with (tests check that none is missing); unset (None)
+# is not judged. The refused flags take one value only (megatron_lm_flags).
+INT_RANGES: Dict[str, IntRange] = {
+    **dict.fromkeys((
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+        "seq_length", "max_position_embeddings", "vocab_size", "rotary_base", "recompute_num_layers",
+        "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk",
+        "moe_shared_expert_intermediate_size", "moe_deepep_num_sms", "moe_hybridep_num_sms",
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+        "expert_tensor_parallel_size", "fp8_amax_history_len", "micro_batch_size", "global_batch_size",
+        "train_iters", "lr_decay_iters", "log_interval", "save_interval",
+    ), SIZE),
+    **dict.fromkeys(("moe_mlp_glu_interleave_size", "moe_hybridep_num_blocks_permute",
+                     "moe_hybridep_num_blocks_unpermute"), PATCH_SIZE),
+    "lr_warmup_iters": STEPS,
+    "cuda_graph_warmup_steps": STEPS,  # below 0 the capture step never comes
+    "fp8_margin": IntRange(0, 127, "the scaling factor is divided by 2**margin in fp32, which ends at 2**127"),
+    "timing_log_level": IntRange(0, 2, "Megatron-LM's levels"),
+    # megatron-core's datasets seed their shuffle (numpy) with it: 0 .. 2**32 - 1; the torch
+    # seeds it also makes (seed + 2718 + rank, ...) fit torch's 64-bit range then.
+    "seed": IntRange(0, 2**32 - 1, "2**32 - 1, the largest seed the data shuffle takes"),
+}
 NOT_NEGATIVE = ("lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coeff")
 FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")  # [0, 1)
 POSITIVE_FLOATS = ("init_method_std", "adam_eps")
@@ -601,10 +680,17 @@ def _values(args: argparse.Namespace, names) -> List[Tuple[str, object]]:
     return pairs
 
 
+def _check_int_range(name: str, value: int) -> None:
+    limits = INT_RANGES[name]
+    if limits.low is not None and value < limits.low:
+        raise ValueError(f"{_flag(name)} {shown(value)}: must be at least {limits.low}")
+    if value > limits.high:
+        raise ValueError(f"{_flag(name)} {shown(value)}: must be at most {limits.high} ({limits.why})")
+
+
 def _check_ranges(args: argparse.Namespace) -> None:
-    for name, value in _values(args, AT_LEAST_ONE + AT_LEAST_ONE_IF_SET):
-        if value < 1:
-            raise ValueError(f"{flag_name(name)} {value}: must be at least 1")
+    for name, value in _values(args, INT_RANGES):
+        _check_int_range(name, value)
     for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{flag_name(name)} {value}: must be a finite number")
@@ -624,8 +710,13 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
             "vocab_size", "micro_batch_size", "train_iters", "lr")
 
 
+def _flag(name: str) -> str:
+    """The flag of the dest ``name``, as the user types it."""
+    return _dest_flags().get(name, flag_name(name))
+
+
 def _check_required(args: argparse.Namespace) -> None:
-    missing = [_dest_flags().get(name, flag_name(name)) for name in REQUIRED if getattr(args, name, None) is None]
+    missing = [_flag(name) for name in REQUIRED if getattr(args, name, None) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (Megatron-LM has no default for "
                          f"{'it' if len(missing) == 1 else 'them'}); give {'it' if len(missing) == 1 else 'them'}"
@@ -711,6 +802,7 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
                          f"{args.num_attention_heads} (or set --kv-channels)")
     if args.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _check_sequence_split(args)
     if args.expert_model_parallel_size > 1 and tp > 1 and not args.sequence_parallel:
         raise ValueError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
                          "--sequence-parallel")
@@ -738,6 +830,94 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {args.micro_batch_size * data_parallel}"
         )
+    _check_data_path(args)
+    for name in OUTPUT_DIRS:
+        if getattr(args, name, None):
+            _check_output_dir(_flag(name), getattr(args, name))
+
+
+def sequence_multiple(tensor_parallel: int, context_parallel: int, sequence_parallel: bool) -> int:
+    """What --seq-length must be a multiple of, by megatron-core's splits: context
+    parallelism cuts each sequence into 2 x CP chunks (two per CP rank, for causal load
+    balance), and sequence parallelism splits each CP rank's seq-length / CP tokens across
+    the TP ranks."""
+    multiple = 2 * context_parallel if context_parallel > 1 else 1
+    if sequence_parallel:
+        multiple = math.lcm(multiple, context_parallel * tensor_parallel)
+    return multiple
+
+
+def _check_sequence_split(args: argparse.Namespace) -> None:
+    # Context parallelism is refused by name (megatron_lm_flags), so its size is 1 here.
+    tp = args.tensor_model_parallel_size
+    multiple = sequence_multiple(tp, getattr(args, "context_parallel_size", 1), args.sequence_parallel)
+    if args.seq_length % multiple:
+        raise ValueError(
+            f"--seq-length {args.seq_length} must be a multiple of {multiple} with --sequence-parallel and "
+            f"--tensor-model-parallel-size {tp} (each tensor-parallel rank takes an equal share of the sequence): "
+            f"use e.g. --seq-length {args.seq_length + multiple - args.seq_length % multiple}"
+        )
+
+
+def data_blend(data_path: List[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """--data-path as Megatron-LM reads it: (prefixes, weights). Weight-prefix pairs where
+    the list has an even length and every entry in a weight's place is a number; otherwise
+    every entry is a prefix (weights None)."""
+    weights = data_path[0::2]
+    if len(data_path) % 2 == 0 and all(_is_number(weight) for weight in weights):
+        return list(data_path[1::2]), [float(weight) for weight in weights]
+    return list(data_path), None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+# Megatron's indexed dataset: the tokens in PREFIX.bin, their index in PREFIX.idx.
+DATASET_FILES = (".bin", ".idx")
+
+
+def _check_data_path(args: argparse.Namespace) -> None:
+    """Every --data-path prefix names an indexed dataset, and the weights can blend them."""
+    if not args.data_path:
+        return
+    prefixes, weights = data_blend(args.data_path)
+    for weight in weights or []:
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"--data-path weight {weight}: must be a finite number, at least 0")
+    if weights and not sum(weights) > 0:
+        raise ValueError("--data-path: every weight is 0; give at least one dataset a positive weight")
+    for prefix in prefixes:
+        missing = [prefix + ending for ending in DATASET_FILES if not os.path.isfile(prefix + ending)]
+        if missing:
+            raise ValueError(
+                f"--data-path {shown(prefix)}: no indexed dataset there ({', '.join(map(shown, missing))} not "
+                "found); give each dataset's path without .bin/.idx, or leave --data-path out for mock data"
+            )
+
+
+# Directories the run writes into (made when it first writes).
+OUTPUT_DIRS = ("save", "tensorboard_dir", "data_cache_path")
+
+
+def _check_output_dir(flag: str, path: str) -> None:
+    """``path`` is a writable directory or can be made one: its nearest existing ancestor is
+    a writable directory. Nothing is made here."""
+    target = os.path.abspath(path)
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "a file" if existing == target else f"inside {shown(existing)}, a file"
+        raise ValueError(f"{flag} {shown(path)}: {what}, not a directory: give a directory, or a path where one "
+                         "can be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {shown(path)}: {shown(existing)} is not writable: give a directory this user "
+                         "can write to")
 
 
 @functools.lru_cache(maxsize=None)

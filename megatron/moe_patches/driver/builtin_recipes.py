@@ -2,13 +2,15 @@
 
 ``--yaml-cfg`` takes a path or the name of one of these: ``--yaml-cfg tiny-moe``.
 A value naming an existing file is always that file; otherwise a bare name (with or
-without ``.yaml``) picks the built-in recipe, and anything else is an error that lists
-the built-in names.
+without ``.yaml``) picks the built-in recipe, a directory is an error that says so, and
+anything else is an error that lists the built-in names.
 """
 
 import os
 from importlib import resources
 from typing import Dict
+
+from megatron.moe_patches.fields import shown
 
 _PACKAGE = "megatron.moe_patches"
 _FOLDER = "recipes"
@@ -20,7 +22,7 @@ class UnknownRecipe(FileNotFoundError):
 
     An OSError, like any missing recipe file, so callers that report a recipe they
     cannot open report this one too. (Not a ``recipes.RecipeError``: ``recipes``
-    imports this module, and this module imports nothing of the package.)
+    imports this module, and this module imports only the leaf ``fields``.)
     """
 
 
@@ -56,8 +58,11 @@ def resolve(value: str) -> str:
     stem = stem[: -len(SUFFIX)] if stem.endswith(SUFFIX) else stem
     if is_bare_name and stem in recipes:
         return recipes[stem]
+    if os.path.isdir(value):
+        raise IsADirectoryError(f"--yaml-cfg {shown(value)}: a directory, not a recipe file; give the path of a "
+                                f"recipe file or a built-in recipe's name ({', '.join(recipes)})")
     hint = f" (the recipes ship with the package now: --yaml-cfg {stem})" if stem in recipes else ""
     raise UnknownRecipe(
-        f"--yaml-cfg {value}: no such file and no built-in recipe of that name{hint}; "
+        f"--yaml-cfg {shown(value)}: no such file and no built-in recipe of that name{hint}; "
         f"the built-in recipes are {', '.join(recipes)}"
     )

@@ -9,8 +9,18 @@ and always for on/off flags (a store_true default is never "unset"). It reads Me
 checkpoints too, whose args are its argparse Namespace (``args_from_megatron_lm``).
 
 ``find_checkpoint`` says, before start-up, what ``--load`` holds: a checkpoint, none
-(a reason: training starts from scratch), or an error naming the file (``--load`` is a
-file, the tracker names no saved iteration). ``load`` reads the optimizer states in the
+(a reason: training starts from scratch), or an error naming the file and the fix
+(``--load`` is a file, the tracker names no saved iteration, or one that is not a complete
+checkpoint: ``incomplete_reason`` reads megatron-core's config, the tensor index, the
+tensor files' lengths and the common state, files only).
+
+``save`` is crash-safe: the iteration is written as ``iter_NNNNNNN.incomplete`` and renamed
+to its name once all ranks have written it and rank 0 has flushed it; the tracker is then
+replaced by rename too. Killed at any point, a save leaves the tracker naming a complete
+checkpoint (the previous one, or this one) and, at most, an ``.incomplete`` directory that
+nothing loads and the next save removes.
+
+``load`` reads the optimizer states in the
 format the checkpoint was saved in (``checkpoint_format``), refuses, before reading
 anything, a checkpoint that cannot fill every sharded tensor of the model and optimizer
 (``check_checkpoint_covers``), and fits the optimizer's plain state to the current
@@ -31,9 +41,12 @@ megatron-core 0.19.2 saves it, one pickled object inside the torch_dist files.
 """
 
 import argparse
+import errno
 import io
+import json
 import os
 import re
+import shutil
 from typing import Iterator, List, Optional, Tuple
 
 from megatron.moe_patches.driver import compat
@@ -197,13 +210,152 @@ def latest_iteration(root: str) -> Optional[int]:
     return int(text)
 
 
+# megatron-core's torch_dist files besides the tensor files: its checkpoint config (the last
+# file its save writes), the torch DCP index of the tensor files, and the common state
+# (iteration, scheduler, args; the first file written, by rank 0).
+CONFIG_FILE = "metadata.json"
+TENSOR_INDEX = ".metadata"
+COMMON_FILE = "common.pt"
+# Where save() writes an iteration before it has all of it (never loaded; the next save
+# removes it), and where it moves a complete iteration of that number aside while the new
+# one takes its name.
+INCOMPLETE = ".incomplete"
+REPLACED = ".replaced"
+SAVED_ITERATION = re.compile(r"iter_([0-9]{7,})")
+KILLED_SAVE = re.compile(r"iter_[0-9]{7,}" + re.escape(INCOMPLETE))
+REPLACED_COPY = re.compile(r"iter_[0-9]{7,}" + re.escape(REPLACED))
+
+
+def _read_error(err: BaseException) -> str:
+    """A read error on one short line: its type, and what it says went wrong."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", " ".join(str(err).split()))  # torch's message has terminal bold
+    if "WeightsUnpickler error:" in text:  # torch.load(weights_only=True): keep what it refused
+        text = text.split("WeightsUnpickler error:", 1)[1].split(" Please ")[0].split(" Check the documentation")[0]
+    text = text.strip().split(". ")[0][:200]  # the first sentence says what; the rest, what torch advises
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _config_problem(path: str) -> Optional[str]:
+    config = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config):
+        return f"no {CONFIG_FILE}, which megatron-core writes last: the save did not finish"
+    try:
+        with open(config, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, ValueError) as err:
+        return f"its {CONFIG_FILE} cannot be read ({_read_error(err)})"
+    backend = values.get("sharded_backend") if isinstance(values, dict) else None
+    if backend != "torch_dist":
+        return f"its {CONFIG_FILE} names the sharded backend {backend!r}; pretrain_gpt.py reads torch_dist"
+    return None
+
+
+def _tensor_index(path: str):
+    """(the torch DCP index of the tensor files, None) or (None, why it cannot be had)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(path, TENSOR_INDEX)):
+        return None, f"no {TENSOR_INDEX} (the index of its tensor files)"
+    try:
+        return FileSystemReader(path).read_metadata(), None
+    except Exception as err:  # a cut-short or foreign pickle raises any unpickling error
+        return None, f"its {TENSOR_INDEX} cannot be read ({_read_error(err)})"
+
+
+def _tensor_files_problem(path: str, index) -> Optional[str]:
+    """A tensor file the index names that is missing or shorter than the bytes it indexes there."""
+    needed = {}
+    for where in (getattr(index, "storage_data", None) or {}).values():
+        name = getattr(where, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), where.offset + where.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name}, a tensor file its {TENSOR_INDEX} names, is missing"
+        if os.path.getsize(file) < size:
+            return f"{name} is cut short ({os.path.getsize(file)} bytes, its {TENSOR_INDEX} indexes {size})"
+    return None
+
+
+def _common_state_problem(path: str, index) -> Optional[str]:
+    """The common state, read as ``load`` reads it (``read_common_state``), and whether it is a dict."""
+    if not os.path.isfile(os.path.join(path, COMMON_FILE)) and UPSTREAM_COMMON_KEY not in index.state_dict_metadata:
+        return f"no {COMMON_FILE} (its common state: iteration, scheduler, args)"
+    try:
+        common = read_common_state(path)
+    except Exception as err:  # torch.load's errors on cut-short or foreign bytes, CheckpointError
+        return f"its common state cannot be read ({_read_error(err)})"
+    if not isinstance(common, dict):
+        return f"its common state is a {type(common).__name__}, not a dict"
+    return None
+
+
+def incomplete_reason(path: str) -> Optional[str]:
+    """Why the iteration directory ``path`` is not a complete torch_dist checkpoint, or None.
+
+    Complete: megatron-core's config, the index of the tensor files, every tensor file it names
+    at the length it indexes, and a common state that reads back as ``load`` reads it. Reads
+    files only (CPU, no process group): usable before start-up.
+    """
+    if not os.path.isdir(path):
+        return "it is not a directory"
+    if not os.listdir(path):
+        return "it is empty"
+    problem = _config_problem(path)
+    if problem is not None:
+        return problem
+    index, problem = _tensor_index(path)
+    if problem is not None:
+        return problem
+    return _tensor_files_problem(path, index) or _common_state_problem(path, index)
+
+
+def saved_iterations(root: str) -> List[int]:
+    """The iterations with an ``iter_NNNNNNN`` directory under ``root``, newest first."""
+    found = []
+    for name in os.listdir(root):
+        match = SAVED_ITERATION.fullmatch(name)
+        if match and os.path.basename(iteration_dir(root, int(match.group(1)))) == name:
+            found.append(int(match.group(1)))
+    return sorted(found, reverse=True)
+
+
+def newest_complete_iteration(root: str) -> Optional[int]:
+    """The newest iteration under ``root`` saved completely; None without one."""
+    for iteration in saved_iterations(root):
+        if incomplete_reason(iteration_dir(root, iteration)) is None:
+            return iteration
+    return None
+
+
+def _unusable_iteration(root: str, iteration: int, path: str) -> CheckpointError:
+    """The refusal of a tracker naming an iteration ``path`` cannot resume from, with the fix."""
+    tracker = os.path.join(root, TRACKER)
+    if os.path.lexists(path):
+        what = f"{path} is not a complete checkpoint ({incomplete_reason(path)})"
+    else:
+        what = f"{path} does not exist"
+    newest = newest_complete_iteration(root)
+    if newest is not None:
+        fix = (f"write {newest} into {TRACKER} to resume from {iteration_dir(root, newest)}, the newest "
+               "complete checkpoint there, or point --load at another checkpoint")
+    else:
+        fix = ("no complete checkpoint is there: point --load at another checkpoint, or at an empty "
+               "directory to train from scratch")
+    return CheckpointError(f"--load {root}: the checkpoint tracker {tracker} names iteration {iteration}, "
+                           f"but {what}; {fix}")
+
+
 def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
     """(the checkpoint directory ``--load root`` resumes from, None) or (None, why there is none).
 
     No directory, an empty one or one without a tracker file is "no checkpoint" (Megatron-LM
     trains from scratch then). A ``root`` that is a file, a tracker that is not an iteration
-    number, or one naming an iteration whose directory is missing raises
-    CheckpointError naming the file.
+    number, or one naming an iteration whose directory is missing or not a complete checkpoint
+    (``incomplete_reason``) raises CheckpointError naming the file and the fix. A save killed
+    between its two renames (``_publish``) left the named iteration under its ``.replaced``
+    name, complete: that is the checkpoint then.
     """
     if not os.path.exists(root):
         return None, "no such directory"
@@ -216,13 +368,12 @@ def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
     if iteration is None:
         return None, "the directory is empty" if not os.listdir(root) else f"no checkpoint there (no {TRACKER})"
     path = iteration_dir(root, iteration)
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"the checkpoint tracker {tracker} names iteration {iteration}, but {path} does not exist: "
-            "write the iteration of a saved checkpoint into it"
-        )
-    return path, None
+    if os.path.lexists(path):
+        if incomplete_reason(path) is None:
+            return path, None
+    elif os.path.isdir(path + REPLACED) and incomplete_reason(path + REPLACED) is None:
+        return path + REPLACED, None
+    raise _unusable_iteration(root, iteration, path)
 
 
 # Megatron-LM saves its whole argparse Namespace as the common state's "args" (this driver
@@ -436,21 +587,96 @@ def _state(model, optimizer, scheduler, iteration, args, loading):
     return state
 
 
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _fsync(path: str) -> None:
+    """Flush ``path`` (a file's bytes, or a directory's entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        # Some filesystems (network ones) refuse to flush a directory: nothing more to do there.
+        if not (os.path.isdir(path) and err.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    """Flush every file under ``path`` and the directories themselves. megatron-core's tensor
+    writers flush their own files (on every node); common.pt and metadata.json it does not."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
+
+
+def _remove_killed_saves(root: str) -> None:
+    """Clear what killed saves left under ``root``: every ``iter_*.incomplete`` directory, and
+    each ``iter_*.replaced`` one whose iteration has its name again (while it has not, the
+    copy is the checkpoint ``find_checkpoint`` resumes from)."""
+    for name in os.listdir(root):
+        leftover = os.path.join(root, name)
+        if KILLED_SAVE.fullmatch(name):
+            _remove(leftover)
+        elif REPLACED_COPY.fullmatch(name) and os.path.lexists(leftover[:-len(REPLACED)]):
+            _remove(leftover)
+
+
+def _publish(root: str, staging: str, path: str) -> None:
+    """Give the fully written iteration in ``staging`` its name ``path``: renames, so a reader
+    sees the whole checkpoint or none of it. An older directory of that name (a re-save of the
+    iteration) is moved aside first and removed once the new one has the name."""
+    _fsync_tree(staging)
+    replaced = path + REPLACED
+    if os.path.lexists(path):
+        os.rename(path, replaced)
+    os.rename(staging, path)
+    _fsync(root)
+    _remove(replaced)
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    """Name ``iteration`` in the tracker: written beside it, flushed, then renamed over it, so
+    the tracker names the previous checkpoint or this one, never a cut-short number."""
+    tracker = os.path.join(root, TRACKER)
+    written = tracker + ".tmp"
+    with open(written, "w", encoding="utf-8") as handle:
+        handle.write(str(iteration))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(written, tracker)
+    _fsync(root)
+
+
 def save(root: str, iteration: int, model, optimizer, scheduler, args) -> str:
-    """Save a torch_dist checkpoint of ``model`` (the unwrapped GPTModel) and the optimizer."""
+    """Save a torch_dist checkpoint of ``model`` (the unwrapped GPTModel) and the optimizer as
+    ``<root>/iter_NNNNNNN``, crash-safe: every rank writes into ``iter_NNNNNNN.incomplete``;
+    after all have written (megatron-core: common.pt, the tensor files and their index, then
+    metadata.json), rank 0 flushes it to the disk, renames it to its name and then names it
+    in the tracker. A save killed at any point leaves the tracker naming the previous
+    checkpoint, complete, or this one, complete. Returns the checkpoint's directory."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, iteration)
+    staging = path + INCOMPLETE
     if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, args, loading=False), path)
-    dist.barrier()
+        os.makedirs(root, exist_ok=True)
+        _remove_killed_saves(root)
+        os.makedirs(staging)
+    dist.barrier()  # the staging directory exists, empty, for every rank
+    dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, args, loading=False), staging)
+    dist.barrier()  # every rank has written its part
     if dist.get_rank() == 0:
-        with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as handle:
-            handle.write(str(iteration))
-    dist.barrier()
+        _publish(root, staging, path)
+        _write_tracker(root, iteration)
+    dist.barrier()  # no rank goes on (or ends the run) before the checkpoint is named
     return path
 
 

@@ -36,6 +36,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import yaml
 
+from megatron.moe_patches.fields import shown
+
 NESTED_SECTIONS = ("language_model", "model_parallel")
 
 
@@ -93,12 +95,12 @@ class Recipe(dict):
 
 
 def _spelled(value) -> str:
-    """A value as YAML spells it (null, true) for messages."""
+    """A value as YAML spells it (null, true) for messages, a long one shortened."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value)
+    return repr(shown(value)) if isinstance(value, str) else shown(repr(value))
 
 
 def _dest(key: str) -> str:
@@ -158,7 +160,7 @@ def _resolve(parser: argparse.ArgumentParser, section: Optional[str], key: str) 
         return option.dest, None
     if section is not None and name in _config_field_defaults():
         return name, None  # a config field no flag sets: _unflagged_field judges its value
-    raise RecipeError(f"unknown key '{name}' (no flag --{name.replace('_', '-')})")
+    raise RecipeError(f"unknown key '{shown(name)}' (no flag --{shown(name.replace('_', '-'))})")
 
 
 def _unflagged_field(parser: argparse.ArgumentParser, setting: Setting) -> bool:
@@ -276,7 +278,7 @@ def _expand_environment(loader: _RecipeLoader, node: yaml.ScalarNode) -> str:
     def variable(match):
         value = os.environ.get(match.group(1))
         if value is None:
-            raise RecipeError(f"environment variable {match.group(1)!r} is not set (the recipe reads "
+            raise RecipeError(f"environment variable {shown(repr(match.group(1)))} is not set (the recipe reads "
                               f"{match.group(0)})", node.start_mark.line + 1)
         return value
 
@@ -316,7 +318,7 @@ def _key_lines(path: str, node) -> Dict[Tuple[Optional[str], str], int]:
                 continue
             key, line = key_node.value, key_node.start_mark.line + 1
             if key in seen:
-                raise RecipeError(f"{path}:{line}: '{key}' is set twice (also on line {seen[key]}); keep one")
+                raise RecipeError(f"{path}:{line}: '{shown(key)}' is set twice (also on line {seen[key]}); keep one")
             seen[key] = line
             lines[(section, key)] = line
             if section is None and key in NESTED_SECTIONS and isinstance(value_node, yaml.MappingNode):
@@ -380,18 +382,18 @@ def _scalar(kind, value, fail):
             try:
                 return kind(value)
             except ValueError:
-                raise fail(f"cannot read {value!r} as {kind.__name__}") from None
-        raise fail(f"needs {'a number' if kind is float else 'an integer'}, not {value!r}")
+                raise fail(f"cannot read {_spelled(value)} as {kind.__name__}") from None
+        raise fail(f"needs {'a number' if kind is float else 'an integer'}, not {_spelled(value)}")
     if kind is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)):
             return str(value)
-        raise fail(f"needs a string, not {value!r} (quote it)")
+        raise fail(f"needs a string, not {_spelled(value)} (quote it)")
     try:
         return kind(value)
     except (TypeError, ValueError, argparse.ArgumentTypeError):
-        raise fail(f"cannot read {value!r} as {getattr(kind, '__name__', 'its type')}") from None
+        raise fail(f"cannot read {_spelled(value)} as {getattr(kind, '__name__', 'its type')}") from None
 
 
 def convert_value(action: argparse.Action, value, fail):
@@ -407,14 +409,14 @@ def convert_value(action: argparse.Action, value, fail):
             raise fail("needs at least one value")
         converted = [_scalar(kind, item, fail) for item in items]
     elif isinstance(value, (list, dict)):
-        raise fail(f"takes one value, not {'a list' if isinstance(value, list) else 'a mapping'} ({value!r})")
+        raise fail(f"takes one value, not {'a list' if isinstance(value, list) else 'a mapping'} ({_spelled(value)})")
     else:
         converted = _scalar(kind, value, fail)
     choices = action.choices
     if choices is not None:
         for item in converted if isinstance(converted, list) else [converted]:
             if item not in choices:
-                raise fail(f"must be one of {list(choices)}, not {value!r}")
+                raise fail(f"must be one of {list(choices)}, not {_spelled(value)}")
     return converted
 
 
@@ -428,7 +430,7 @@ def apply_recipe(parser: argparse.ArgumentParser, recipe: Dict[str, Any], source
         where, key = recipe.where(dest, source), recipe.key(dest)
         action = actions.get(dest)
         if action is None or dest in ("help", "yaml_cfg"):
-            raise RecipeError(f"{where}: unknown key '{dest}' (no flag --{dest.replace('_', '-')})")
+            raise RecipeError(f"{where}: unknown key '{shown(dest)}' (no flag --{shown(dest.replace('_', '-'))})")
         flag = action.option_strings[0] if action.option_strings else dest
 
         def fail(message, where=where, key=key, flag=flag):

@@ -24,6 +24,7 @@ from megatron.moe_patches.driver import checkpointing, compat
 from megatron.moe_patches.driver.arguments import (
     PROG,
     check_args,
+    data_blend,
     params_dtype,
     parse_args,
     transformer_config_kwargs,
@@ -150,15 +151,6 @@ def build_optimizer(args, ddp_model):
     return optimizer, scheduler
 
 
-def _blend(data_path):
-    """Megatron's --data-path: 'prefix ...' or 'weight prefix weight prefix ...'."""
-    try:
-        weights = [float(w) for w in data_path[0::2]]
-        return data_path[1::2], weights
-    except ValueError:
-        return data_path, None
-
-
 def build_train_dataset(args):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -167,7 +159,7 @@ def build_train_dataset(args):
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if mock else _blend(args.data_path),
+        blend=None if mock else data_blend(args.data_path),  # as validated
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=compat.null_tokenizer(args.vocab_size),  # ids < vocab_size; the last is EOD
@@ -378,6 +370,12 @@ def warn_if_graphs_never_replay(captures, checked: set) -> None:
                                "the capture (every call ran eagerly: another input shape or a padding mask)")
 
 
+def save_checkpoint(args, iteration, gpt, optimizer, scheduler) -> None:
+    """Save (crash-safe, ``checkpointing.save``) and say so, once the tracker names it."""
+    path = checkpointing.save(args.save, iteration, gpt, optimizer, scheduler, args)
+    _print_rank0(f"saved checkpoint {path} at iteration {iteration}")
+
+
 def pretrain(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -450,10 +448,10 @@ def pretrain(args: argparse.Namespace) -> None:
                         tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
                     write_tensorboard(tensorboard, metrics, iteration)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing.save(args.save, iteration, gpt, optimizer, scheduler, args)
+            save_checkpoint(args, iteration, gpt, optimizer, scheduler)
             last_saved = iteration
     if args.save and last_saved != iteration:
-        checkpointing.save(args.save, iteration, gpt, optimizer, scheduler, args)
+        save_checkpoint(args, iteration, gpt, optimizer, scheduler)
     if tensorboard is not None:
         tensorboard.close()
     _print_rank0(f"training done: {iteration} iterations in {time.time() - started:.1f} s")

@@ -1,0 +1,183 @@
+"""F10's FP8 weight copies after a step of megatron-core's own optimizer, on CPU.
+
+megatron-core's mixed-precision optimizers step a torch optimizer over fp32 main copies and
+then write the results into the bf16 model parameters through ``.data``: the parameters keep
+their storage and their version counters do not move, so only the optimizer step count
+(``fp8_grouped_mm.count_optimizer_steps``) tells the weight cache that its FP8 copies are
+stale. These tests run megatron-core's ``Float16OptimizerWithFloat16Params.step()`` itself
+(its constructor allocates CUDA tensors and accepts CUDA parameters only, so the test builds
+what it builds: fp32 main copies inside the torch optimizer, the float16 groups) and check
+that the copies the experts' GEMMs read, in the graph path (``refresh_weight_caches``, what
+F11 calls before a replay) and the eager one (``linear``), are the new weights' quantization.
+The same through a real CUDA optimizer (both megatron-core optimizers, from
+``get_megatron_optimizer``): tests/gpu/test_fp8_weight_cache_steps.py.
+"""
+
+import pytest
+import torch
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+from megatron.moe_patches import fp8_grouped_mm as fp8
+from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches.device_splits import RowGroups
+
+EXPERTS, OUT, IN = 3, 8, 16
+
+BASE = dict(
+    num_layers=1, hidden_size=IN, num_attention_heads=4, num_moe_experts=EXPERTS, moe_ffn_hidden_size=OUT // 2,
+    moe_grouped_gemm=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+    add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, moe_device_tokens_per_expert=True,
+)
+
+
+class _ExpertLinear(torch.nn.Module):
+    """TE GroupedLinear's parameter layout (weight0..N-1, num_gemms), bf16 on CPU."""
+
+    num_gemms = EXPERTS
+
+    def __init__(self, generator):
+        super().__init__()
+        for i in range(self.num_gemms):
+            w = torch.randn(OUT, IN, generator=generator).to(torch.bfloat16)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+
+
+def fp8_backend(**overrides):
+    """The FP8 experts' backend over a CPU stand-in of the experts module."""
+    config = PatchedTransformerConfig(**{**BASE, **overrides})
+    generator = torch.Generator().manual_seed(0)
+    owner = torch.nn.Module()
+    owner.config, owner.num_local_experts = config, EXPERTS
+    owner.linear_fc1, owner.linear_fc2 = _ExpertLinear(generator), _ExpertLinear(generator)
+    return owner, fp8.FP8GroupedMMBackend(owner)
+
+
+def megatron_bf16_optimizer(params, lr=0.05):
+    """megatron-core's Float16OptimizerWithFloat16Params over bf16 ``params`` with fp32 main
+    copies (Adam), built on the CPU as its constructor would build it on the GPU."""
+    mains = []
+    for param in params:
+        main = param.detach().clone().float()
+        param.main_param = main
+        mains.append(main)
+    optimizer = object.__new__(Float16OptimizerWithFloat16Params)
+    MegatronOptimizer.__init__(optimizer, torch.optim.Adam(mains, lr=lr),
+                               OptimizerConfig(optimizer="adam", lr=lr, bf16=True, clip_grad=0.0))
+    optimizer.grad_scaler, optimizer._dummy_overflow_buf, optimizer._scale_one = None, None, torch.ones(1)
+    optimizer.is_stub_optimizer = False
+    optimizer.float16_groups, optimizer.fp32_from_float16_groups, optimizer.fp32_from_fp32_groups = [list(params)], [mains], [[]]
+    return optimizer
+
+
+def step_like_training(optimizer, params):
+    """Gradients, then megatron-core's step; returns what the parameters' counters say about it."""
+    generator = torch.Generator().manual_seed(1)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+    seen = [(p.data_ptr(), p._version) for p in params]
+    before = [p.detach().clone() for p in params]
+    success, _, _ = optimizer.step()
+    assert success
+    assert all(not torch.equal(b, p.detach()) for b, p in zip(before, params))  # the step changed every weight
+    return seen == [(p.data_ptr(), p._version) for p in params]
+
+
+@pytest.fixture
+def fresh_process():
+    """No optimizer step hook registered yet, as in a fresh training process (other tests may
+    have registered it): the FP8 backend itself must register it. Afterwards the process is left
+    with the hook registered exactly once again, as it was."""
+    was_registered = fp8._step_hook is not None
+    if was_registered:
+        fp8._step_hook.remove()
+        fp8._step_hook = None
+    yield
+    if fp8._step_hook is not None:
+        fp8._step_hook.remove()
+        fp8._step_hook = None
+    if was_registered:
+        fp8.count_optimizer_steps()
+
+
+def current_fp8(backend, linear):
+    """The FP8 copies of ``linear``'s current weights, quantized afresh."""
+    return fp8.quantize_weights(backend._grouped(linear).detach())
+
+
+def assert_cache_holds(cache, expected):
+    w8_EOI, w8_EIO, scale_inv_E = expected
+    assert torch.equal(cache.scale_inv_E, scale_inv_E)
+    assert torch.equal(cache.w8_EOI.view(torch.uint8), w8_EOI.view(torch.uint8))
+    assert torch.equal(cache.w8_EIO.view(torch.uint8), w8_EIO.view(torch.uint8))
+
+
+def test_a_megatron_optimizer_step_refreshes_the_copies_a_graph_replays(fresh_process):
+    owner, backend = fp8_backend()
+    linears = (owner.linear_fc1, owner.linear_fc2)
+    backend.refresh_weight_caches()  # the warm-up before a capture quantizes once
+    caches = [backend._caches[linear] for linear in linears]
+    held = [(c.w8_EOI, c.w8_EIO, c.scale_inv_E) for c in caches]
+    old = [c.w8_EOI.clone() for c in caches]
+    backend.refresh_weight_caches()
+    assert [c.refreshes for c in caches] == [1, 1]  # nothing changed: no requantization
+
+    params = list(owner.parameters())
+    assert step_like_training(megatron_bf16_optimizer(params), params)  # invisible to the counters
+    backend.refresh_weight_caches()  # what F11 runs before the next replay
+    assert [c.refreshes for c in caches] == [2, 2]
+    for cache, linear, tensors, before in zip(caches, linears, held, old):
+        assert_cache_holds(cache, current_fp8(backend, linear))
+        assert not torch.equal(cache.w8_EOI.view(torch.uint8), before.view(torch.uint8))
+        # in place: the graph's GEMMs read these very tensors
+        assert all(a is b for a, b in zip(tensors, (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)))
+    backend.refresh_weight_caches()
+    assert [c.refreshes for c in caches] == [2, 2]  # once per step, not per micro-batch
+
+
+def test_a_megatron_optimizer_step_refreshes_the_copies_of_a_grouped_weight_in_eager_forwards(fresh_process):
+    owner, backend = fp8_backend(moe_single_grouped_weight=True)
+    fc2 = owner.linear_fc2
+    assert tuple(fc2.weight.shape) == (EXPERTS, OUT, IN)  # one [E, out, in] parameter
+    groups = RowGroups(torch.tensor([2, 0, 3]), 5, "cpu")
+    backend.linear(fc2, backend._grouped(fc2), groups)  # a forward's FC2: quantizes on first use
+    cache = backend._caches[fc2]
+    before = cache.w8_EOI.clone()
+    backend.linear(fc2, backend._grouped(fc2), groups)  # the next micro-batch
+    assert cache.refreshes == 1
+
+    params = list(owner.parameters())
+    assert step_like_training(megatron_bf16_optimizer(params), params)
+    backend.linear(fc2, backend._grouped(fc2), groups)
+    assert cache.refreshes == 2
+    assert_cache_holds(cache, current_fp8(backend, fc2))
+    assert not torch.equal(cache.w8_EOI.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_a_step_that_changes_nothing_the_counters_see_is_the_only_signal(fresh_process):
+    """Why the step count is needed: without it (a cache keyed on storage and version counters
+    only) the copies after megatron-core's step would be the first step's."""
+    owner, backend = fp8_backend()
+    backend.refresh_weight_caches()
+    cache = backend._caches[owner.linear_fc1]
+    keyed_without_steps = [(p.data_ptr(), p._version) for p in backend._weight_sources(owner.linear_fc1)]
+    params = list(owner.parameters())
+    steps = fp8._optimizer_steps
+    step_like_training(megatron_bf16_optimizer(params), params)
+    assert keyed_without_steps == [(p.data_ptr(), p._version) for p in backend._weight_sources(owner.linear_fc1)]
+    assert fp8._optimizer_steps == steps + 1  # megatron-core's step ran the torch optimizer's step once
+    assert cache.stale(backend._weight_sources(owner.linear_fc1))
+
+
+def test_a_skipped_step_leaves_the_copies(fresh_process):
+    """A step megatron-core skips (inf/NaN gradients under a loss scaler) changes no weight and
+    steps no torch optimizer: the FP8 copies stay valid."""
+    owner, backend = fp8_backend()
+    backend.refresh_weight_caches()
+    caches = list(backend._caches.values())
+    params = list(owner.parameters())
+    optimizer = megatron_bf16_optimizer(params)
+    optimizer.prepare_grads = lambda: True  # found inf: megatron-core returns before stepping
+    assert optimizer.step() == (False, None, None)
+    backend.refresh_weight_caches()
+    assert [c.refreshes for c in caches] == [1, 1]
