@@ -3,8 +3,10 @@ layout, run side by side, and the checkpoints' tensors compared entry by entry."
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +17,27 @@ from megatron.moe_patches.driver.builtin_recipes import recipe_path
 from megatron.moe_patches.driver.functional import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+class RunsFolder:
+    """A test module's runs' folder, made when its first run needs it (background runs start
+    before any fixture does), so that importing the module makes nothing; ``remove()`` at the
+    module's end."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self._path, self._lock = prefix, None, threading.Lock()
+
+    def path(self) -> Path:
+        with self._lock:
+            if self._path is None:
+                self._path = Path(tempfile.mkdtemp(prefix=self.prefix))
+            return self._path
+
+    def remove(self) -> None:
+        with self._lock:
+            if self._path is not None:
+                shutil.rmtree(self._path, ignore_errors=True)
+                self._path = None
 BASE = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100", "--deterministic-mode",
         "--dist-ckpt-optim-fully-reshardable", "--log-interval", "1"]
 STEPS = 4

@@ -7,11 +7,9 @@ that iteration on, and its own save of KILLED completes over what the killed sav
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -19,29 +17,21 @@ import pytest
 
 from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.driver.functional import free_port
-from pretrain_runs import BASE, ROOT, later, pretrain, process_slot  # tests/gpu is on sys.path (conftest.py)
+from pretrain_runs import BASE, ROOT, RunsFolder, later, pretrain, process_slot  # tests/gpu is on sys.path (conftest.py)
 
 STEPS, EVERY, KILLED = 8, 2, 6
 RESUMED = KILLED - EVERY  # the last checkpoint the killed run completed
 POINTS = ["model", "optimizer", "common", "tracker"]
 SAVES = ["--save-interval", str(EVERY)]
-_work, _work_lock = [], threading.Lock()
-
-
-def work_dir() -> Path:
-    """This module's runs' folder, made by the first run (background jobs start before fixtures)."""
-    with _work_lock:
-        if not _work:
-            _work.append(Path(tempfile.mkdtemp(prefix="crash-safe-save-")))
-        return _work[0]
+RUNS = RunsFolder("crash-safe-save-")
+work_dir = RUNS.path
 
 
 @pytest.fixture(scope="module", autouse=True)
 def remove_work_dir():
+    """After the module's last test (each waits for its own runs): remove the runs' folder."""
     yield
-    with _work_lock:
-        if _work:
-            shutil.rmtree(_work.pop(), ignore_errors=True)
+    RUNS.remove()
 
 
 _uninterrupted, _uninterrupted_lock = [], threading.Lock()

@@ -24,6 +24,7 @@ from pretrain_runs import (  # tests/gpu is on sys.path (conftest.py)
     LAYOUTS,
     LOSS_RTOL,
     ROOT,
+    RunsFolder,
     STEPS,
     differences,
     later,
@@ -35,25 +36,15 @@ from pretrain_runs import (  # tests/gpu is on sys.path (conftest.py)
 # (X, Y, next-step losses bitwise equal): equal where both layouts run the same kernels.
 PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuser", False),
          ("op_fuser", "interleave", False), ("grouped", "sequential", False), ("te_bias", "grouped_bias", False)]
-_work, _work_lock = [], threading.Lock()
-
-
-def work_dir() -> Path:
-    """The folder of this module's runs, made when the first run needs it (the background
-    jobs start before any fixture runs); ``remove_work_dir`` removes it."""
-    with _work_lock:
-        if not _work:
-            _work.append(Path(tempfile.mkdtemp(prefix="checkpoint-round-trips-")))
-        return _work[0]
+RUNS = RunsFolder("checkpoint-round-trips-")
+work_dir = RUNS.path
 
 
 @pytest.fixture(scope="module", autouse=True)
 def remove_work_dir():
     """After the module's last test (each waits for its own runs): remove the runs' folder."""
     yield
-    with _work_lock:
-        if _work:
-            shutil.rmtree(_work.pop(), ignore_errors=True)
+    RUNS.remove()
 
 
 def train_a(layout):
