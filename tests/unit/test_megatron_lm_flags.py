@@ -5,7 +5,6 @@ argparse errors. With MEGATRON_LM_PATH set, the table is checked against Megatro
 parser as well."""
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -14,10 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
-from megatron.moe_patches.driver import arguments, megatron_lm_flags
+from megatron.moe_patches.driver import arguments, megatron_lm_flags, recipes
 from megatron.moe_patches.driver.arguments import build_parser, transformer_config_kwargs
 from megatron.moe_patches.driver.megatron_lm_flags import BY_NAME, FLAGS, NOT_OFFERED, refused_flags, supported_flags
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES
@@ -204,7 +202,7 @@ def test_the_drivers_behaviour_is_accepted_and_megatron_lms_default_refused(flag
 def test_refused_flags_that_are_config_fields_run_with_megatron_cores_default():
     """What a refused flag accepts is what the driver builds: megatron-core's config default
     (Megatron-LM's None for a switch megatron-core keeps False counts as off)."""
-    defaults = _config_defaults()
+    defaults = recipes._config_field_defaults()
     unused = {"--cp-comm-type"}  # read only with context parallelism, which is refused
     for row in refused_flags():
         if row.dest in defaults and row.accepted is not NOT_OFFERED and row.name not in unused:
@@ -215,17 +213,9 @@ def test_config_field_flags_default_to_megatron_cores_defaults():
     """Flags handed to TransformerConfig as given: without them the config is megatron-core's."""
     for name in (*arguments.CONFIG_FIELD_FLAGS, *arguments.FP8_CONFIG_FIELD_FLAGS, *arguments.MOE_CONFIG_FIELD_FLAGS):
         row = next(row for row in supported_flags() if row.dest == name)
-        assert row.megatron_lm_default == _config_defaults()[name], name
+        assert row.megatron_lm_default == recipes._config_field_defaults()[name], name
 
 
-def _config_defaults():
-    defaults = {}
-    for field in dataclasses.fields(TransformerConfig):
-        if field.default is not dataclasses.MISSING:
-            defaults[field.name] = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            defaults[field.name] = field.default_factory()
-    return defaults
 
 
 @pytest.mark.parametrize("argv, message", [
