@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from megatron.moe_patches.symmetric_exchange import SymmetricExchange, push_rows  # noqa: E402
+from megatron.moe_patches.dispatch.symmetric_exchange import SymmetricExchange, push_rows  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import init_expert_parallel  # noqa: E402
 
 TILES = ((1, 4), (2, 8), (4, 8), (8, 8), (8, 16))

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.moe_patches import fp8_scaling as fs  # noqa: E402
+from megatron.moe_patches.kernels import fp8_scaling as fs  # noqa: E402
 from megatron.moe_patches.kernels import fp8_grouped_gemm as g  # noqa: E402
 
 MODELS = {  # hidden, ffn (FC1 writes 2 * ffn: gate and up), experts, top-k

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 from megatron.moe_patches import apply, revert  # noqa: E402
 from megatron.moe_patches.config import graphs_dropless_moe  # noqa: E402
-from megatron.moe_patches.moe_cuda_graph import MoELayerGraphs  # noqa: E402
+from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
     SHAPES,
     build_moe_layer,
@@ -64,7 +64,7 @@ VARIANTS = {
 
 
 def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step: int = 1):
-    from megatron.moe_patches.fp8_grouped_mm import invalidate_weight_caches
+    from megatron.moe_patches.experts.fp8_grouped_mm import invalidate_weight_caches
 
     for _ in range(warmup):
         forward_backward(layer, hidden, grad)

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
+from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings
 
 
 def _feature_ids(parser: argparse.ArgumentParser, value: str) -> list:

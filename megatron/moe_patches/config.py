@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.moe_patches.expert_table import single_grouped_refusal
+from megatron.moe_patches.experts.table import single_grouped_refusal
 from megatron.moe_patches.fields import (
     DEVICE_SPLITS_ENV_ALIAS,
     LEGACY_GROUPED_GEMM,
@@ -27,8 +27,8 @@ from megatron.moe_patches.fields import (
     log_once,
     uses_legacy_grouped_gemm,
 )
-from megatron.moe_patches.moe_cuda_graph import graph_blocker, graphs_dropless_moe, scope_names
-from megatron.moe_patches.symmetric_exchange import exchange_config_errors
+from megatron.moe_patches.graphs.moe_layer_graphs import graph_blocker, graphs_dropless_moe, scope_names
+from megatron.moe_patches.dispatch.symmetric_exchange import exchange_config_errors
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ def main(out_path):
     rank = start_worker(expert_model_parallel_size=2)
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply
-    from megatron.moe_patches.moe_cuda_graph import MoELayerGraphs
+    from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs
     from megatron.moe_patches.testing.layer_harness import build_moe_layer, fp8_context
 
     apply()

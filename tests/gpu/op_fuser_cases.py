@@ -6,7 +6,7 @@ import torch
 import megatron.core.transformer.transformer_config as tc_module
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches.glu_interleave import to_concatenated
+from megatron.moe_patches.experts.glu_interleave import to_concatenated
 from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer, fp8_context, moe_config_kwargs
 
 

@@ -9,10 +9,10 @@ import torch
 import megatron.core.transformer.transformer_config as tc_module
 from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, run_two_gpu_worker, small_moe_kwargs
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches import device_splits as f8
-from megatron.moe_patches import expert_backends as eb
+from megatron.moe_patches.experts import grouped_mm as f8
+from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
-from megatron.moe_patches.weighted_glu import glu_spec
+from megatron.moe_patches.kernels.weighted_glu import glu_spec
 
 # The GEMMs differ (TE/cuBLAS per expert vs one CUTLASS grouped GEMM: fp32 accumulation in
 # another order) and so does the prob-weighted GLU (megatron-core's compiled kernels vs
@@ -110,7 +110,7 @@ def test_state_dicts_load_both_ways(single_gpu):
 
 @pytest.mark.quick
 def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_gpu):
-    from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
+    from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
 
     kwargs = small_moe_kwargs(16, 2, "swiglu")
     revert()

@@ -28,7 +28,7 @@ is asserted anywhere.
 import pytest
 import torch
 
-from megatron.moe_patches import fp8_scaling as fs
+from megatron.moe_patches.kernels import fp8_scaling as fs
 
 triton = pytest.importorskip("triton")
 if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):

@@ -20,8 +20,8 @@ import torch
 import megatron.core.transformer.transformer_config as tc_module
 from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, small_moe_kwargs
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches import expert_backends as eb
-from megatron.moe_patches import fp8_grouped_mm as fp8
+from megatron.moe_patches.experts import backend as eb
+from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
 
 U = 2.0**-4  # E4M3 unit roundoff

@@ -14,7 +14,7 @@ import torch
 
 import megatron.core.transformer.transformer_config as tc_module
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches import fp8_grouped_mm as fp8
+from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.testing.layer_harness import MoEShape, build_moe_layer, fp8_context, moe_config_kwargs
 
 SHAPE = MoEShape(hidden=256, moe_ffn=128, experts=8, topk=2)

@@ -9,7 +9,7 @@ import torch
 import megatron.core.transformer.transformer_config as tc_module
 from gpu_checks import compare, run_layer, run_two_gpu_worker
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches.fused_permute_pad import permute_and_pad, unpermute_and_unpad
+from megatron.moe_patches.dispatch.permute_pad import permute_and_pad, unpermute_and_unpad
 from megatron.moe_patches.testing.reference import reference_permute_and_pad, reference_unpermute_and_unpad
 from megatron.moe_patches.testing.layer_harness import MoEShape, moe_config_kwargs
 

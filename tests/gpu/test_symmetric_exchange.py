@@ -13,7 +13,7 @@ import torch
 
 from gpu_checks import run_two_gpu_worker
 from megatron.moe_patches.driver.functional import free_port
-from megatron.moe_patches.symmetric_exchange import ExchangePlan, copy_rows_zero_tail, push_rows
+from megatron.moe_patches.dispatch.symmetric_exchange import ExchangePlan, copy_rows_zero_tail, push_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 # vs stock TE experts: bf16 as test_device_splits; FP8 two E4M3 roundings (2 x 2**-4) apart,

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from megatron.moe_patches.weighted_glu import GLUSpec, megatron_weighted_glu, weighted_glu
+from megatron.moe_patches.kernels.weighted_glu import GLUSpec, megatron_weighted_glu, weighted_glu
 
 SWIGLU = GLUSpec("swiglu", 1.0, 0.0, None)
 QUICK_GEGLU = GLUSpec("quick_geglu", 1.702, 1.0, 7.0)  # gpt-oss-like: offset 1, clamp 7

@@ -23,7 +23,7 @@ def one_rank(monkeypatch):
 
 def _parse_as_entry_point(argv):
     """parse_args as the entry points run it: megatron-core's fallback notices quieted first."""
-    from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
+    from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings
     from megatron.moe_patches.driver.arguments import parse_args
 
     with warnings.catch_warnings():

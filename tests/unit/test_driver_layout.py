@@ -33,10 +33,13 @@ def test_driver_modules_never_import_training(name):
     assert "megatron.moe_patches.driver.training" not in imported_modules(PACKAGE / "driver" / f"{name}.py")
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.glob("*.py")), ids=lambda p: p.name)
+PATCH_MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in ("driver", "testing"))
+
+
+@pytest.mark.parametrize("path", PATCH_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_patch_modules_import_neither_driver_nor_testing(path):
     bad = [m for m in imported_modules(path) if m.startswith(("megatron.moe_patches.driver", "megatron.moe_patches.testing"))]
-    assert not bad, f"{path.name} imports {bad}"
+    assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
 
 
 def test_training_module_runs_as_main():

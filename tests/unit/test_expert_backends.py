@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
-from megatron.moe_patches import device_splits as f8
-from megatron.moe_patches import expert_backends as eb
-from megatron.moe_patches import expert_table
+from megatron.moe_patches.experts import grouped_mm as f8
+from megatron.moe_patches.experts import backend as eb
+from megatron.moe_patches.experts import table as expert_table
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.dispatchers import PatchedAlltoAllTokenDispatcher
-from megatron.moe_patches.weighted_glu import glu_spec
+from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
+from megatron.moe_patches.kernels.weighted_glu import glu_spec
 
 BASE = dict(
     num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
@@ -71,7 +71,7 @@ def test_delayed_wgrad_runs_the_te_backend():
 
 
 def test_selection_prefers_the_op_fuser_when_it_can_run(monkeypatch):
-    from megatron.moe_patches.op_fuser_grouped_mlp import OpFuserBackend
+    from megatron.moe_patches.experts.op_fuser import OpFuserBackend
 
     monkeypatch.setattr(OpFuserBackend, "blocker", classmethod(lambda cls, config: None))
     assert expert_table.select_backend(cfg(use_transformer_engine_op_fuser=True)).name == "op_fuser"
@@ -336,7 +336,7 @@ def test_grouped_mm_padded_rows_change_nothing(bias):
 def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
     """What F11 calls before each replay: a no-op until an optimizer steps; then the FP8
     copies of each FC are requantized into the tensors the captured GEMMs read."""
-    from megatron.moe_patches import fp8_grouped_mm as fp8
+    from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 
     owner = experts_shell(cfg())
     backend = fp8.FP8GroupedMMBackend(owner)

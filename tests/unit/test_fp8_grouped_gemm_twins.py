@@ -11,7 +11,7 @@ dtype (half an ulp: 2**-8 relative for bf16, 2**-24 for float32)."""
 import pytest
 import torch
 
-from megatron.moe_patches import fp8_scaling as fs
+from megatron.moe_patches.kernels import fp8_scaling as fs
 from megatron.moe_patches.kernels import fp8_grouped_gemm as g
 
 FP8 = torch.float8_e4m3fn

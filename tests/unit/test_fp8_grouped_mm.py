@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches import expert_table
-from megatron.moe_patches import fp8_grouped_mm as fp8
+from megatron.moe_patches.experts import table as expert_table
+from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.routed_expert_padding import NOBODY, padding_plan
+from megatron.moe_patches.experts.padding import NOBODY, padding_plan
 
 E4M3_MAX = 448.0
 
@@ -239,7 +239,7 @@ def test_fp8_backend_needs_torchs_scaled_grouped_mm(with_triton, monkeypatch):
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
 def test_fp8_wgrad_follows_the_config(fp8_wgrad):
     """--no-fp8-wgrad: the FCs get no transposed-copy layout (weight gradients in bf16)."""
-    from megatron.moe_patches.device_splits import RowGroups
+    from megatron.moe_patches.experts.grouped_mm import RowGroups
 
     config = fp8_config(fp8_wgrad=fp8_wgrad)
     owner = torch.nn.Module()

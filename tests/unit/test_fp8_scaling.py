@@ -19,7 +19,7 @@ import struct
 import pytest
 import torch
 
-from megatron.moe_patches import fp8_scaling as fs
+from megatron.moe_patches.kernels import fp8_scaling as fs
 
 FMAX = 448.0
 FLT_MAX = (2 - 2**-23) * 2**127

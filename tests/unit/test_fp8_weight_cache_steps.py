@@ -18,9 +18,9 @@ import torch
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-from megatron.moe_patches import fp8_grouped_mm as fp8
+from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.device_splits import RowGroups
+from megatron.moe_patches.experts.grouped_mm import RowGroups
 
 EXPERTS, OUT, IN = 3, 8, 16
 

@@ -6,9 +6,9 @@ import torch
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import fields
-from megatron.moe_patches import routed_expert_padding as f3
-from megatron.moe_patches.dispatchers import PatchedAlltoAllTokenDispatcher
-from megatron.moe_patches.fused_permute_pad import align_up
+from megatron.moe_patches.experts import padding as f3
+from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
+from megatron.moe_patches.dispatch.permute_pad import align_up
 from megatron.moe_patches.testing.reference import reference_permute_and_pad, reference_unpermute_and_unpad
 
 

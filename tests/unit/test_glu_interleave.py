@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron.moe_patches.glu_interleave import interleave_parameters, to_concatenated, to_interleaved
+from megatron.moe_patches.experts.glu_interleave import interleave_parameters, to_concatenated, to_interleaved
 
 
 def test_interleaved_row_order_is_blocks_of_gate_then_linear():
@@ -59,7 +59,7 @@ def test_sharded_entry_saves_concatenated_for_params_and_optimizer_states():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-    from megatron.moe_patches.glu_interleave import concatenated_factory
+    from megatron.moe_patches.experts.glu_interleave import concatenated_factory
 
     param = torch.nn.Parameter(to_interleaved(torch.randn(8, 3), 2))
     for stock in (ShardedTensor.from_rank_offsets("fc1.weight", param),
@@ -78,7 +78,7 @@ def test_sharded_entry_saves_concatenated_for_params_and_optimizer_states():
 def test_distributed_load_path_interleaves_exactly_once():
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron.moe_patches.glu_interleave import concatenated_factory
+    from megatron.moe_patches.experts.glu_interleave import concatenated_factory
 
     module = TwoExperts()
     standard = {k: v.clone() for k, v in module.state_dict().items()}

@@ -22,7 +22,7 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory  # noqa: 
 
 from megatron.moe_patches.driver import checkpointing  # noqa: E402
 from megatron.moe_patches.driver.checkpointing import CheckpointError  # noqa: E402
-from megatron.moe_patches.glu_interleave import concatenated_factory, interleave_parameters  # noqa: E402
+from megatron.moe_patches.experts.glu_interleave import concatenated_factory, interleave_parameters  # noqa: E402
 
 from checkpoint_files import checkpoint_root  # noqa: E402
 

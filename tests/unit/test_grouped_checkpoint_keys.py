@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron.moe_patches.grouped_checkpoint_keys import GroupedKeyError, normalize_grouped_keys
+from megatron.moe_patches.checkpoint.grouped_keys import GroupedKeyError, normalize_grouped_keys
 
 E = 3
 

@@ -7,7 +7,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-from megatron.moe_patches.grouped_optimizer_state import (
+from megatron.moe_patches.checkpoint.optimizer_state import (
     grouped_param_factories,
     param_id_to_sharded_param_map,
 )
@@ -98,7 +98,7 @@ def test_other_optimizers_map_includes_the_grouped_param():
 
 # --- model param -> plain state dict tensor (reload_model_params / load-main-params-from-ckpt) ---
 
-from megatron.moe_patches.grouped_optimizer_state import (  # noqa: E402
+from megatron.moe_patches.checkpoint.optimizer_state import (  # noqa: E402
     GroupedParamDistributedOptimizer,
     state_dict_param_map,
 )
@@ -188,7 +188,7 @@ def test_state_dict_map_refusals_name_the_parameter():
 
 
 def test_a_row_is_matched_by_storage_offset_shape_and_strides_exactly():
-    from megatron.moe_patches.grouped_optimizer_state import _row_index
+    from megatron.moe_patches.checkpoint.optimizer_state import _row_index
 
     param = torch.nn.Parameter(torch.randn(E, OUT, IN))
     data = param.detach()

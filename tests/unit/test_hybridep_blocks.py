@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from megatron.moe_patches.hybridep_blocks import ensure_hybridep_buffer, hybridep_block_kwargs
+from megatron.moe_patches.dispatch.hybridep_blocks import ensure_hybridep_buffer, hybridep_block_kwargs
 
 BLOCKS = ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute")
 

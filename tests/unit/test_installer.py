@@ -205,9 +205,9 @@ def test_whole_series_apply_revert_restores_identity(reverted):
     # The classes megatron-core builds by name are now the patched subclasses.
     assert experts.TEGroupedMLP is not stock_classes[0] and issubclass(experts.TEGroupedMLP, stock_classes[0])
     # One patched class per stock dispatcher, carrying F1 and F8 as options.
-    assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.dispatchers"
+    assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.dispatch.dispatchers"
     assert issubclass(moe_layer.MoEAlltoAllTokenDispatcher, stock_classes[1])
-    assert token_dispatcher._HybridEPManager.__module__ == "megatron.moe_patches.hybridep_blocks"
+    assert token_dispatcher._HybridEPManager.__module__ == "megatron.moe_patches.dispatch.hybridep_blocks"
     revert()
     assert megatron_bindings() == before
     assert (experts.TEGroupedMLP, moe_layer.MoEAlltoAllTokenDispatcher, token_dispatcher._HybridEPManager) == stock_classes

@@ -9,9 +9,9 @@ import torch
 from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.moe_patches import dispatchers
+from megatron.moe_patches.dispatch import dispatchers
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.moe_cuda_graph import graph_blocker, scope_names
+from megatron.moe_patches.graphs.moe_layer_graphs import graph_blocker, scope_names
 
 BASE = dict(
     num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
@@ -74,7 +74,7 @@ def test_refused_by_name(overrides, reason):
 
 
 def test_ep2_graphs_need_the_symmetric_exchange_and_its_runtime(monkeypatch):
-    import megatron.moe_patches.moe_cuda_graph as moe_cuda_graph
+    import megatron.moe_patches.graphs.moe_layer_graphs as moe_cuda_graph
 
     without = config(cuda_graph_impl="none", expert_model_parallel_size=2)
     assert "add --moe-symmetric-exchange" in graph_blocker(without)
@@ -103,7 +103,7 @@ def test_other_scopes_and_drop_and_pad_stay_megatron_cores():
 def test_a_replay_lets_the_backend_refresh_its_weight_copies_first():
     """Wiring: the host work a graph leaves (FP8 weight copies after an optimizer step) runs
     before the forward graph replays, on the same stream (the replay reads its result)."""
-    from megatron.moe_patches.moe_cuda_graph import _Replay
+    from megatron.moe_patches.graphs.moe_layer_graphs import _Replay
 
     calls = []
     captured = types.SimpleNamespace(
@@ -193,7 +193,7 @@ class _EagerLayer(torch.nn.Module):
 
 
 def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
-    from megatron.moe_patches import moe_cuda_graph
+    from megatron.moe_patches.graphs import moe_layer_graphs as moe_cuda_graph
 
     replays = []
     monkeypatch.setattr(moe_cuda_graph._Replay, "apply",
@@ -220,7 +220,7 @@ def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
 
 
 def test_capture_refuses_a_layer_the_table_refuses_before_any_gpu_work():
-    from megatron.moe_patches.moe_cuda_graph import MoELayerGraphs
+    from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs
 
     layer = _EagerLayer()
     layer.config = config(cuda_graph_impl="none", moe_token_dispatcher_type="flex")
@@ -318,7 +318,7 @@ def test_the_graph_tables_neighbours_stay_graphable(graphable, fields):
 
 
 def test_ep2_rows_of_the_graph_table_ask_the_exchange_with_the_ep_size(graphable, monkeypatch):
-    import megatron.moe_patches.moe_cuda_graph as moe_cuda_graph
+    import megatron.moe_patches.graphs.moe_layer_graphs as moe_cuda_graph
 
     asked = []
     monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: asked.append(ep) or "Triton is not installed")
@@ -348,7 +348,7 @@ def test_ep2_rows_of_the_graph_table_ask_the_exchange_with_the_ep_size(graphable
 def test_which_configs_ask_for_dropless_moe_graphs(fields, graphs):
     import copy
 
-    from megatron.moe_patches.moe_cuda_graph import graphs_dropless_moe
+    from megatron.moe_patches.graphs.moe_layer_graphs import graphs_dropless_moe
 
     c = copy.copy(config())
     for name, value in fields.items():

@@ -14,7 +14,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
-from megatron.moe_patches import apply, moe_cuda_graph, revert
+from megatron.moe_patches import apply, revert
+from megatron.moe_patches.graphs import moe_layer_graphs as moe_cuda_graph
 from megatron.moe_patches.config import PatchedTransformerConfig
 
 BASE = dict(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches import op_fuser_grouped_mlp as f4
+from megatron.moe_patches.experts import op_fuser as f4
 
 E = 3
 
@@ -115,7 +115,7 @@ class FakeLinear(torch.nn.Module):
 
 def experts(config, log, interleave=None):
     """The op-fuser backend of an experts shell with fake TE linears (the real experts need TE)."""
-    from megatron.moe_patches.routed_expert_padding import NOBODY, PaddingPlan
+    from megatron.moe_patches.experts.padding import NOBODY, PaddingPlan
 
     mlp = torch.nn.Module()
     bias = config.add_bias_linear

@@ -8,7 +8,7 @@ import types
 import pytest
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron.moe_patches.grouped_optimizer_state import (
+from megatron.moe_patches.checkpoint.optimizer_state import (
     LAYOUT_KEY,
     GroupedParamDistributedOptimizer,
     bucket_layout_refusal,

@@ -1,8 +1,8 @@
 import pytest
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.op_fuser_grouped_mlp import FUSED_KERNEL_ALIGNMENT, OpFuserBackend
-from megatron.moe_patches.routed_expert_padding import (
+from megatron.moe_patches.experts.op_fuser import FUSED_KERNEL_ALIGNMENT, OpFuserBackend
+from megatron.moe_patches.experts.padding import (
     EXPERTS,
     HYBRIDEP,
     NOBODY,
@@ -91,7 +91,7 @@ F1_BLOCKED = [
 
 @pytest.mark.parametrize("fields, reason", F1_BLOCKED, ids=[r for _, r in F1_BLOCKED])
 def test_each_f1_rule_hands_the_padding_to_the_experts(moe_config, monkeypatch, fields, reason):
-    from megatron.moe_patches.routed_expert_padding import _fused_permute_pad_blocker
+    from megatron.moe_patches.experts.padding import _fused_permute_pad_blocker
 
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
     config = moe_config(fp8="e4m3")
@@ -105,8 +105,8 @@ def test_each_f1_rule_hands_the_padding_to_the_experts(moe_config, monkeypatch, 
 def test_an_alignment_of_one_means_nobody_pads(moe_config, monkeypatch):
     """A backend that takes any row count (required_alignment 1) needs no padding anywhere,
     whatever the recipe's own GEMM alignment."""
-    from megatron.moe_patches import expert_table
-    from megatron.moe_patches.expert_backends import TEBackend
+    from megatron.moe_patches.experts import table as expert_table
+    from megatron.moe_patches.experts.backend import TEBackend
 
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
     monkeypatch.setattr(TEBackend, "required_alignment", classmethod(lambda cls, config: 1))

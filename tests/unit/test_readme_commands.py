@@ -232,7 +232,7 @@ def gpu_machine_without_gpu(monkeypatch):
 
 def run_driver(case: Case, capsys, monkeypatch):
     """``training.main`` on the case's flags and world: (exit code or message, stdout, stderr)."""
-    from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
+    from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings
     from megatron.moe_patches.driver.training import main
 
     monkeypatch.setenv("WORLD_SIZE", str(case.world))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron.moe_patches.grouped_checkpoint_keys import GroupedKeyError, is_grouped, load_pre_hook
-from megatron.moe_patches.single_grouped_params import make_grouped
+from megatron.moe_patches.checkpoint.grouped_keys import GroupedKeyError, is_grouped, load_pre_hook
+from megatron.moe_patches.experts.grouped_params import make_grouped
 
 E = 3
 

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from megatron.moe_patches.symmetric_exchange import (
+from megatron.moe_patches.dispatch.symmetric_exchange import (
     ExchangePlan,
     exchange_config_errors,
     owner_rows_bound,
@@ -74,7 +74,7 @@ def test_rows_land_grouped_by_local_expert_and_come_back(ep, local, empty_rank):
 
 @pytest.mark.parametrize("ep,rank", [(2, 0), (2, 1), (4, 3)])
 def test_counts_go_to_every_peer_at_the_senders_row(ep, rank):
-    from megatron.moe_patches.symmetric_exchange import SymmetricExchange
+    from megatron.moe_patches.dispatch.symmetric_exchange import SymmetricExchange
 
     group = types.SimpleNamespace(rank=lambda: rank, size=lambda: ep, group_name="ep")
     route = SymmetricExchange(group, topk=2)._count_chunks(torch.device("cpu"))
@@ -139,7 +139,7 @@ def test_patched_config_refuses_a_contradiction_before_any_gpu_work(moe_config):
 def test_without_the_gpu_the_exchange_stays_nccl_and_says_why(moe_config, caplog):
     config = moe_config(moe_device_tokens_per_expert=True)
     config.moe_symmetric_exchange = True
-    with caplog.at_level(logging.WARNING, logger="megatron.moe_patches.symmetric_exchange"):
+    with caplog.at_level(logging.WARNING, logger="megatron.moe_patches.dispatch.symmetric_exchange"):
         assert symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=2) is None
     if not torch.cuda.is_available():
         assert "no CUDA device" in caplog.text and "NCCL" in caplog.text
@@ -167,7 +167,7 @@ class _FakeExchange:
 
 
 def test_dispatcher_routes_through_the_exchange_and_never_asks_the_host(moe_config):
-    from megatron.moe_patches.dispatchers import PatchedAlltoAllTokenDispatcher
+    from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
 
     config = moe_config(moe_device_tokens_per_expert=True, moe_router_topk=2)
     dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)  # no __init__: it needs CUDA streams
@@ -197,7 +197,7 @@ def test_dispatcher_routes_through_the_exchange_and_never_asks_the_host(moe_conf
 
 
 def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
-    from megatron.moe_patches import moe_cuda_graph
+    from megatron.moe_patches.graphs import moe_layer_graphs as moe_cuda_graph
     from megatron.moe_patches.driver.training import describe_moe_layers
 
     def layer(exchange, ep_size):
@@ -217,7 +217,7 @@ def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
 
 def test_every_layer_of_a_group_shares_one_buffer_per_direction_and_shape(monkeypatch):
     """One buffer set per EP group, not per MoE layer (a 48-layer model would hold 48)."""
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     allocated = []
 
@@ -245,7 +245,7 @@ def test_a_new_buffer_is_zeroed_before_the_peers_can_map_it(monkeypatch):
     or a peer's first signal can be overwritten and its barrier never ends."""
     import sys
 
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     calls = []
     fake = types.ModuleType("torch.distributed._symmetric_memory")
@@ -269,7 +269,7 @@ def test_only_the_dispatched_rows_are_copied_out_of_their_buffer(monkeypatch):
     """The experts save the dispatched tokens for the backward: a copy (tail zeroed). The
     output gradients and the other direction hand out the buffer itself (read once, before
     this direction's next exchange), the owners' tail zeroed in place."""
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     handle = types.SimpleNamespace(barrier=lambda channel=0: None)
     buffers = {}
@@ -306,7 +306,7 @@ def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkey
     any exchange."""
     import threading
 
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     ep, local, topk, tokens = 2, 2, 2, 5
     experts = ep * local
@@ -430,7 +430,7 @@ def _exchange_config(**fields):
     ({"fp8": "e4m3", "fp8_recipe": "delayed"}, 2, "the dispatcher pads each expert's rows for quantization (F1)"),
 ], ids=["bf16", "fp8 tensorwise", "EP 1", "TE experts", "F1 pads"])
 def test_exchange_blocker_table(hopper_node, fields, ep, reason):
-    from megatron.moe_patches.symmetric_exchange import exchange_blocker
+    from megatron.moe_patches.dispatch.symmetric_exchange import exchange_blocker
 
     found = exchange_blocker(_exchange_config(**fields), ep)
     assert found is None if reason is None else reason in (found or ""), found
@@ -440,7 +440,7 @@ def test_exchange_blocker_asks_the_machine(hopper_node, monkeypatch):
     import importlib.util
 
     from megatron.moe_patches import capabilities
-    from megatron.moe_patches.symmetric_exchange import exchange_blocker
+    from megatron.moe_patches.dispatch.symmetric_exchange import exchange_blocker
 
     config = _exchange_config()
     assert exchange_blocker(config, 2) is None
@@ -456,7 +456,7 @@ def test_exchange_blocker_asks_the_machine(hopper_node, monkeypatch):
 
 def test_the_dispatcher_gets_the_exchange_only_where_it_can_run(hopper_node, monkeypatch, caplog):
     from megatron.moe_patches import fields
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     monkeypatch.setattr(fields, "_said", set())
     group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2, group_name="ep")
@@ -478,7 +478,7 @@ def test_the_flag_at_ep1_is_said_to_exchange_nothing_and_its_rules_still_hold(mo
     and --use-checkpoint-args restores it from an EP 2 checkpoint into an EP 1 run) and says so;
     the config rules it brings hold at EP 1 too, so it never accepts what EP 2 would refuse."""
     from megatron.moe_patches import fields
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
     from megatron.moe_patches.config import PatchedTransformerConfig
 
     monkeypatch.setattr(fields, "_said", set())
@@ -500,7 +500,7 @@ def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(monkeypatch, fu
     sort when (and because) it has an exchange; without one it sorts as megatron-core does."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from megatron.moe_patches import dispatchers
+    from megatron.moe_patches.dispatch import dispatchers
 
     def stock_init(self, *args, **kwargs):  # megatron-core's own needs CUDA streams
         self.config, self.ep_group, self.ep_size, self.tp_size = kwargs["config"], "ep-group", 2, 1
@@ -517,7 +517,7 @@ def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(monkeypatch, fu
 
 
 def test_a_plan_is_sized_from_tokens_times_topk(monkeypatch):
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 1, size=lambda: 2, group_name="ep"), topk=3)
     counts_SE = torch.tensor([[1, 2, 0, 3], [2, 0, 2, 2]])
@@ -530,7 +530,7 @@ def test_a_plan_is_sized_from_tokens_times_topk(monkeypatch):
 
 def test_the_owners_tail_starts_after_the_rows_received_not_the_rows_sent(monkeypatch):
     """Rank 0 sends 3 rows and receives 5: the tail zeroing keeps all 5 received rows."""
-    from megatron.moe_patches import symmetric_exchange as sx
+    from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     counts_SE = torch.tensor([[1, 2], [4, 0]])  # rank 0 sends 3 rows, receives 1 + 4 = 5
     plan = ExchangePlan(counts_SE, 0, rows_sent=3, rows_bound=8)

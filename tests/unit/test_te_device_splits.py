@@ -10,7 +10,7 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches import expert_backends as eb
+from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches import fields
 from megatron.moe_patches.config import PatchedTransformerConfig
 

@@ -22,7 +22,7 @@ import torch
 from megatron.moe_patches import capabilities, installer
 from megatron.moe_patches.config import PatchedTransformerConfig, validate_moe_patch_config
 from megatron.moe_patches.driver import checkpointing, compat
-from megatron.moe_patches.glu_interleave import to_concatenated, to_interleaved
+from megatron.moe_patches.experts.glu_interleave import to_concatenated, to_interleaved
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100"]
@@ -166,7 +166,7 @@ def test_the_legacy_field_is_still_named_where_megatron_core_has_it():
 
 
 def test_the_padding_plan_reads_a_config_without_the_legacy_field():
-    from megatron.moe_patches.routed_expert_padding import _fused_permute_pad_blocker
+    from megatron.moe_patches.experts.padding import _fused_permute_pad_blocker
 
     config = WithoutLegacyField(real_config(), moe_permute_fusion=True)
     assert _fused_permute_pad_blocker(config) is None

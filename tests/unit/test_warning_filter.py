@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
+from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings
 
 TE_APEX = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
 APEX = "Apex is not installed. Falling back to Torch Norm"
@@ -58,7 +58,7 @@ def test_real_megatron_core_import_is_quiet_only_with_the_filter():
     if "not installed. Falling back" not in loud:
         pytest.skip("this megatron-core environment has TE and Apex: nothing to filter")
     quiet = _stderr_of(
-        f"from megatron.moe_patches.cli import quiet_megatron_core_import_warnings as q; q(); {IMPORT_MCORE}"
+        f"from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings as q; q(); {IMPORT_MCORE}"
     )
     assert "not installed. Falling back" not in quiet
 
@@ -67,7 +67,7 @@ def test_importing_the_package_installs_no_filter():
     code = (
         "import warnings;"
         "import megatron.moe_patches, megatron.moe_patches.installer, megatron.moe_patches.driver.arguments;"
-        "import megatron.moe_patches.cli as cli, megatron.moe_patches.driver.cli;"
+        "import megatron.moe_patches.entry_points as cli, megatron.moe_patches.driver.cli;"
         "from megatron.moe_patches import status; status();"
         "ours = [f for f in warnings.filters if f[1] is not None and f[1].pattern == cli.MEGATRON_CORE_FALLBACK_MESSAGE];"
         "assert not ours, ours"

@@ -174,7 +174,7 @@ def read_interleaved_fc1(model_state, size: int):
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    from megatron.moe_patches.glu_interleave import interleaved_checkpoint_factory
+    from megatron.moe_patches.experts.glu_interleave import interleaved_checkpoint_factory
 
     def convert(entry):
         if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and EXPERT_FC1.search(entry.key):
@@ -556,7 +556,7 @@ def saved_concatenated_fc1(model_state, memory_size: int):
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    from megatron.moe_patches.glu_interleave import concatenated_factory
+    from megatron.moe_patches.experts.glu_interleave import concatenated_factory
 
     def convert(entry):
         if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and EXPERT_FC1.search(entry.key):
@@ -684,7 +684,7 @@ def check_optimizer_layout(args: argparse.Namespace, saved: dict) -> None:
     """Refuse, before loading anything, optimizer states saved in another memory layout: the
     patched optimizer's own rule (F7; it checks again at load, in any loop), read from the
     checkpoint's args, so a mismatch stops the run before any GPU work."""
-    from megatron.moe_patches.grouped_optimizer_state import LAYOUT_FIELDS, bucket_layout_refusal
+    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_FIELDS, bucket_layout_refusal
 
     if not saved.get("use_distributed_optimizer"):
         return  # torch optimizers' states are per parameter

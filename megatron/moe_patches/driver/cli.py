@@ -6,7 +6,7 @@ Launch it like pretrain_gpt.py: ``megatron-moe-pretrain --yaml-cfg tiny-moe`` on
 
 from typing import List, Optional
 
-from megatron.moe_patches.cli import quiet_megatron_core_import_warnings
+from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings
 
 
 COMMAND = "megatron-moe-pretrain"

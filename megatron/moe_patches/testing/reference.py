@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.moe_patches.fused_permute_pad import align_up
+from megatron.moe_patches.dispatch.permute_pad import align_up
 
 
 def reference_permute_and_pad(

@@ -27,11 +27,11 @@ from typing import List, Optional
 
 import torch
 
-from megatron.moe_patches.expert_backends import ExpertBackend, glu_activation, run_forward_pre_hooks
+from megatron.moe_patches.experts.backend import ExpertBackend, glu_activation, run_forward_pre_hooks
 from megatron.moe_patches.fields import log_once, patch_option
-from megatron.moe_patches.grouped_checkpoint_keys import is_grouped
-from megatron.moe_patches.single_grouped_params import make_grouped
-from megatron.moe_patches.weighted_glu import GLUSpec, glu_spec, weighted_glu
+from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
+from megatron.moe_patches.experts.grouped_params import make_grouped
+from megatron.moe_patches.kernels.weighted_glu import GLUSpec, glu_spec, weighted_glu
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.device_splits import GroupedMMBackend, RowGroups
+from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn

@@ -30,9 +30,9 @@ from typing import Optional
 import torch
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.expert_backends import ExpertBackend, glu_activation, host_tokens_per_expert
+from megatron.moe_patches.experts.backend import ExpertBackend, glu_activation, host_tokens_per_expert
 from megatron.moe_patches.fields import patch_option
-from megatron.moe_patches.glu_interleave import concatenated_factory, interleave_parameters
+from megatron.moe_patches.experts.glu_interleave import concatenated_factory, interleave_parameters
 
 # te.pytorch.ops class computing each GLU activation with a per-row scale.
 SCALED_GLU_OPS = {"swiglu": "ScaledSwiGLU", "quick_geglu": "ScaledClampedQGeGLU"}

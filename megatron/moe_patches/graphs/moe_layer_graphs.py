@@ -58,9 +58,9 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
-from megatron.moe_patches.expert_table import backend_support, select_backend
+from megatron.moe_patches.experts.table import backend_support, select_backend
 from megatron.moe_patches.fields import patch_option
-from megatron.moe_patches.symmetric_exchange import exchange_blocker
+from megatron.moe_patches.dispatch.symmetric_exchange import exchange_blocker
 
 # This package keeps the stock objects (apply() rebinds megatron-core's names, not these).
 _STOCK_TE_HELPER = mcore_graphs.TECudaGraphHelper

@@ -24,9 +24,9 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from megatron.moe_patches.fields import patch_option
-from megatron.moe_patches.fused_permute_pad import align_up, permute_and_pad, unpermute_and_unpad
-from megatron.moe_patches.routed_expert_padding import padding_plan
-from megatron.moe_patches.symmetric_exchange import symmetric_exchange_for
+from megatron.moe_patches.dispatch.permute_pad import align_up, permute_and_pad, unpermute_and_unpad
+from megatron.moe_patches.experts.padding import padding_plan
+from megatron.moe_patches.dispatch.symmetric_exchange import symmetric_exchange_for
 
 
 def allgather_keeps_counts_on_device(config, ep_size: int, tp_size: int) -> bool:

@@ -52,7 +52,7 @@ from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_p
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron.moe_patches.grouped_checkpoint_keys import normalize_grouped_keys
+from megatron.moe_patches.checkpoint.grouped_keys import normalize_grouped_keys
 from megatron.moe_patches.fields import flag_name
 
 GROUPED_ENTRIES_KEY = "__grouped_param_factories__"

@@ -25,7 +25,7 @@ from typing import Optional
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.expert_table import select_backend
+from megatron.moe_patches.experts.table import select_backend
 from megatron.moe_patches.fields import log_once, uses_legacy_grouped_gemm
 
 logger = logging.getLogger(__name__)

@@ -81,9 +81,9 @@ def exchange_config_errors(config) -> list:
 def exchange_blocker(config, ep_size: int) -> Optional[str]:
     """Why this process cannot run the symmetric exchange for ``config`` (the rest of the
     table after ``exchange_config_errors``), or None."""
-    from megatron.moe_patches.device_splits import GroupedMMBackend
-    from megatron.moe_patches.expert_table import select_backend
-    from megatron.moe_patches.routed_expert_padding import padding_plan
+    from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend
+    from megatron.moe_patches.experts.table import select_backend
+    from megatron.moe_patches.experts.padding import padding_plan
 
     if ep_size == 1:
         return "expert parallelism is 1 (nothing to exchange)"

@@ -16,7 +16,7 @@ Upstream: NVIDIA/Megatron-LM#3890, #4219.
 
 import torch
 
-from megatron.moe_patches.grouped_checkpoint_keys import PARAM_NAMES, load_pre_hook
+from megatron.moe_patches.checkpoint.grouped_keys import PARAM_NAMES, load_pre_hook
 
 
 def _indexed_view_hook(module, state_dict, prefix, local_metadata):

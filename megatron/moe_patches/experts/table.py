@@ -9,11 +9,11 @@ the others cannot.
 import logging
 from typing import Dict, Optional, Tuple, Type
 
-from megatron.moe_patches.device_splits import GroupedMMBackend
-from megatron.moe_patches.expert_backends import ExpertBackend, TEBackend
+from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend
+from megatron.moe_patches.experts.backend import ExpertBackend, TEBackend
 from megatron.moe_patches.fields import log_once, patch_option
-from megatron.moe_patches.fp8_grouped_mm import FP8GroupedMMBackend
-from megatron.moe_patches.op_fuser_grouped_mlp import OpFuserBackend
+from megatron.moe_patches.experts.fp8_grouped_mm import FP8GroupedMMBackend
+from megatron.moe_patches.experts.op_fuser import OpFuserBackend
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
-from megatron.moe_patches.expert_table import select_backend, single_grouped_refusal
-from megatron.moe_patches.routed_expert_padding import padding_plan
+from megatron.moe_patches.experts.table import select_backend, single_grouped_refusal
+from megatron.moe_patches.experts.padding import padding_plan
 
 
 class _AlreadyPadded(torch.nn.Module):
