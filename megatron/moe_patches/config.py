@@ -2,9 +2,12 @@
 
 Patches: megatron-core's ``TransformerConfig`` / ``MLATransformerConfig`` gain the
 fields of ``fields.MoEPatchFields`` through subclasses (never by editing the stock
-dataclasses), and ``apply()`` rebinds the stock names to those subclasses so that stock
-entry points (Megatron-LM's ``core_transformer_config_from_args``, user scripts)
-construct and validate them too.
+dataclasses). ``apply()`` binds the config classes' public names (megatron-core's
+``transformer_config`` module and ``megatron.core.transformer``; Megatron-LM's argument
+modules where imported: the registry lists them) to those subclasses, so that code that
+constructs the config by name (Megatron-LM's ``core_transformer_config_from_args``, user
+scripts) builds and validates them too. Modules that imported the names before keep the stock
+classes, which the subclasses pass every ``isinstance`` test of.
 
 Why subclasses: builders filter constructor kwargs on ``dataclasses.fields``;
 attributes that are not dataclass fields are silently dropped, and a wrapped
@@ -176,23 +179,9 @@ def _resolve_env_aliases(config) -> None:
         )
 
 
-class _AcceptsStockInstances(type):
-    """Metaclass: once ``apply()`` rebinds ``TransformerConfig`` to the patched class,
-    megatron-core's ``isinstance(config, TransformerConfig)`` checks must still accept
-    configs built from the stock class (before apply, or by code holding the stock name)."""
-
-    def __instancecheck__(cls, obj):
-        return type.__instancecheck__(cls, obj) or isinstance(obj, cls.stock_class)
-
-    def __subclasscheck__(cls, sub):
-        return type.__subclasscheck__(cls, sub) or issubclass(sub, cls.stock_class)
-
-
 @dataclass
-class PatchedTransformerConfig(TransformerConfig, MoEPatchFields, metaclass=_AcceptsStockInstances):
+class PatchedTransformerConfig(TransformerConfig, MoEPatchFields):
     """megatron-core's TransformerConfig plus the MoE patch fields, validated at construction."""
-
-    stock_class = TransformerConfig  # not annotated: a class attribute, not a field
 
     def __post_init__(self):
         # megatron-core asserts that moe-scope graphs are drop-and-pad only; the patch
@@ -217,13 +206,3 @@ class PatchedMLATransformerConfig(MLATransformerConfig, PatchedTransformerConfig
     MRO: MLA -> PatchedTransformerConfig -> TransformerConfig, so MLA's ``__post_init__``
     reaches the patch validation through its ``super()`` call, exactly once.
     """
-
-    stock_class = MLATransformerConfig
-
-
-def replacements():
-    """C0's (stock, patched) pairs for ``apply()``."""
-    return [
-        (TransformerConfig, PatchedTransformerConfig),
-        (MLATransformerConfig, PatchedMLATransformerConfig),
-    ]

@@ -1,31 +1,36 @@
 """apply() / revert() / status(): install the series into the imported megatron-core.
 
-A patch is a list of (stock object, patched object) pairs. Installing one
-rebinds every module-level name in ``megatron.*`` that refers to the stock
-object (``from x import f`` copies the reference, so patching the defining
-module alone misses those), and reverting rebinds the patched object back,
-including in modules imported while the patch was on. Identity decides
-everything, so applying twice is applying once. A method has no module-level
-name: it comes as a (class, attribute, patched) triple, set on the class and
-restored on revert.
+What a feature installs is a short list of named bindings (``registry.Binding``): one
+attribute of one megatron-core module or class, set to this package's object, each with the
+reason megatron-core offers no seam there. Experts reach megatron-core through its layer spec
+(the spec provider's experts classes), configs through the config classes' public names.
+Nothing else is rebound. Installing sets each binding and keeps what was there; reverting puts
+it back, also in an optional owner module (Megatron-LM's) imported while the patch was on.
+Applying twice is applying once.
 """
 
 import importlib
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import shown
-from megatron.moe_patches.registry import SERIES, Feature, get
+from megatron.moe_patches.registry import SERIES, Binding, Feature, get
 
 logger = logging.getLogger(__name__)
 
-_OWN_PACKAGE = __name__.rpartition(".")[0]
 
-# feature id -> what it installed: (stock, patched) pairs and (class, attribute, stock, patched)
-_applied: Dict[str, List[Tuple[object, object]]] = {}
+@dataclass
+class _Installed:
+    binding: Binding
+    stock: object
+    patched: object
+
+
+# feature id -> its installed bindings, in install order
+_applied: Dict[str, List[_Installed]] = {}
 
 
 @dataclass(frozen=True)
@@ -41,24 +46,55 @@ class FeatureStatus:
         return f"{self.id:3} {self.state:8} TE:{te:8} {self.title} — {self.reason}"
 
 
-def rebind_everywhere(old: object, new: object) -> int:
-    """Point every ``megatron.*`` module-level name bound to ``old`` at ``new``.
+def _resolve(path: str):
+    """``"pkg.module"`` or ``"pkg.module:Class.attr"`` -> the object."""
+    module_name, _, qualname = path.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split(".") if qualname else ():
+        obj = getattr(obj, part)
+    return obj
 
-    This package's own modules are left alone: they hold the stock objects on purpose.
-    Returns the number of names rebound.
-    """
-    count = 0
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not module_name.startswith("megatron."):
-            continue
-        if module_name == _OWN_PACKAGE or module_name.startswith(_OWN_PACKAGE + "."):
-            continue
-        namespace = getattr(module, "__dict__", {})
-        for name, value in list(namespace.items()):
-            if value is old:
-                setattr(module, name, new)
-                count += 1
-    return count
+
+def _owner(binding: Binding):
+    """The module or class a binding sets an attribute of, or None for an optional owner
+    (a Megatron-LM module) that is not imported: importing it later reads the bound name from
+    megatron-core's module."""
+    module_name = binding.owner.partition(":")[0]
+    if binding.optional and module_name not in sys.modules:
+        return None
+    return _resolve(binding.owner)
+
+
+def _install(binding: Binding) -> _Installed:
+    """Set ``binding``; an optional owner not imported yet is recorded with no stock object
+    (revert() finds what it imported meanwhile through the other records)."""
+    owner = _owner(binding)
+    if owner is None:
+        return _Installed(binding, None, None)
+    stock = owner.__dict__[binding.attribute] if isinstance(owner, type) else getattr(owner, binding.attribute)
+    patched = _resolve(binding.patched)
+    if binding.factory:
+        patched = patched(owner, stock)
+        if patched is stock:  # nothing to patch here (a TE class megatron-core defines only with TE)
+            return _Installed(binding, None, None)
+    setattr(owner, binding.attribute, patched)
+    cap.note_installed(stock, patched)
+    return _Installed(binding, stock, patched)
+
+
+def _uninstall(installed: _Installed, stock_of: Dict[int, object]) -> None:
+    """Put the stock object back. ``stock_of``: id(patched) -> stock over the feature's
+    records, for an optional owner imported while the patch was on (it copied the patched
+    object from megatron-core's module)."""
+    owner = _owner(installed.binding)
+    if owner is None:
+        return
+    current = getattr(owner, installed.binding.attribute, None)
+    stock = installed.stock if current is installed.patched and installed.patched is not None else stock_of.get(id(current))
+    if stock is not None:
+        setattr(owner, installed.binding.attribute, stock)
+    if installed.patched is not None:
+        cap.note_reverted(installed.patched)
 
 
 # What apply()/revert() take as ``features``, for their refusals.
@@ -152,19 +188,7 @@ def _apply_one(feature: Feature) -> None:
     if blocked is not None:
         logger.info("moe_patches: %s", blocked.line())
         return
-    patches = [patch for module in feature.installs for patch in importlib.import_module(module).replacements()]
-    installed = []
-    for patch in patches:
-        if len(patch) == 3:  # (class, attribute, patched): keep what the class itself had
-            owner, name, new = patch
-            old = owner.__dict__[name]
-            setattr(owner, name, new)
-            installed.append((owner, name, old, new))
-            continue
-        old, new = patch
-        rebind_everywhere(old, new)
-        cap.note_installed(old, new)
-        installed.append(patch)
+    installed = [_install(binding) for binding in feature.bindings]
     _applied[feature.id] = installed
     logger.info("moe_patches: applied %s (%s)", feature.id, feature.title)
 
@@ -197,14 +221,10 @@ def revert(features: Optional[Union[str, Sequence[str]]] = None) -> None:
             grew = bool(dependents)
     for feature_id in reversed(list(_applied)):
         if feature_id in targets:
-            for patch in reversed(_applied.pop(feature_id)):
-                if len(patch) == 4:
-                    owner, name, old, _ = patch
-                    setattr(owner, name, old)
-                    continue
-                old, new = patch
-                rebind_everywhere(new, old)
-                cap.note_reverted(new)
+            records = _applied.pop(feature_id)
+            stock_of = {id(r.patched): r.stock for r in records if r.patched is not None}
+            for record in reversed(records):
+                _uninstall(record, stock_of)
             logger.info("moe_patches: reverted %s", feature_id)
 
 
@@ -241,4 +261,4 @@ def status() -> List[FeatureStatus]:
     return rows
 
 
-__all__ = ["apply", "revert", "status", "is_applied", "installs", "rebind_everywhere", "FeatureStatus"]
+__all__ = ["apply", "revert", "status", "is_applied", "installs", "FeatureStatus"]

@@ -34,9 +34,12 @@ import os
 from typing import Callable, List, Optional, Set, Tuple
 
 from megatron.moe_patches.fields import PATCH_FIELDS
-from megatron.moe_patches.installer import apply, rebind_everywhere, revert, status
+from megatron.moe_patches.installer import apply, revert, status
 
 _CHECKPOINTING = "megatron.training.checkpointing"
+# Where Megatron-LM holds load_args_from_checkpoint: its defining module, and initialize, which
+# imported it by name and is the one that calls it.
+_CHECKPOINT_ARGS_OWNERS = (_CHECKPOINTING, "megatron.training.initialize")
 
 # (stock load_args_from_checkpoint, its wrapper) while enable() is in effect
 _hook: Optional[Tuple[Callable, Callable]] = None
@@ -63,7 +66,7 @@ def disable() -> None:
     global _hook
     if _hook is not None:
         stock, wrapper = _hook
-        rebind_everywhere(wrapper, stock)
+        _bind_checkpoint_args(wrapper, stock)
         _hook = None
     if _enabled_features:
         revert(sorted(_enabled_features))
@@ -122,15 +125,22 @@ def _applied_ids() -> Set[str]:
 
 
 def _hook_checkpoint_args() -> None:
-    """Bind the wrapper wherever ``megatron.training`` binds ``load_args_from_checkpoint``:
+    """Bind the wrapper where ``megatron.training`` holds ``load_args_from_checkpoint``:
     ``initialize`` imported it by name, so patching the defining module alone misses it."""
     global _hook
     if _hook is not None:
         return
     stock = importlib.import_module(_CHECKPOINTING).load_args_from_checkpoint
     wrapper = _restoring_patch_args(stock)
-    rebind_everywhere(stock, wrapper)
+    _bind_checkpoint_args(stock, wrapper)
     _hook = (stock, wrapper)
+
+
+def _bind_checkpoint_args(current: Callable, new: Callable) -> None:
+    for name in _CHECKPOINT_ARGS_OWNERS:
+        module = importlib.import_module(name)
+        if module.load_args_from_checkpoint is current:
+            module.load_args_from_checkpoint = new
 
 
 def _restoring_patch_args(load_args_from_checkpoint: Callable) -> Callable:

@@ -1,8 +1,8 @@
 """The patch series, in order. Start here: every feature is one entry below.
 
-Each entry names the module that implements it (``module``), the modules whose
-``replacements()`` (stock object, patched object) pairs ``apply()`` rebinds for it
-(``installs``), its config fields, the upstream pull requests it brings, what it
+Each entry names the module that implements it (``module``), the named bindings ``apply()``
+sets for it (``bindings``: which megatron-core module or class attribute, to what, and why
+megatron-core has no seam there; the whole list is short), its config fields, the upstream pull requests it brings, what it
 needs from Transformer Engine (a capability probe, not a version guess), a
 ``native`` probe that recognises a megatron-core which already has it, its page
 under ``patches/`` and the tests that prove it.
@@ -25,6 +25,22 @@ from megatron.moe_patches import capabilities as cap
 
 
 @dataclass(frozen=True)
+class Binding:
+    """One attribute ``apply()`` sets: ``owner`` ("pkg.module" or "pkg.module:Class") gets
+    ``attribute`` = the object at ``patched`` ("pkg.module:name"); with ``factory`` that
+    object is called with (owner, stock object) and returns the patched one. ``optional``:
+    a Megatron-LM module, bound only where it is imported. ``reason``: why no seam of
+    megatron-core reaches there."""
+
+    owner: str
+    attribute: str
+    patched: str
+    reason: str
+    optional: bool = False
+    factory: bool = False
+
+
+@dataclass(frozen=True)
 class Feature:
     id: str
     title: str
@@ -37,7 +53,7 @@ class Feature:
     page: str
     test: str  # comma-separated paths under tests/
     module: str
-    installs: Tuple[str, ...]
+    bindings: Tuple[Binding, ...]
     requires: Tuple[str, ...] = ("C0",)
 
 
@@ -62,6 +78,31 @@ _PATCH_FIELDS = (
     "moe_symmetric_exchange",
 )
 
+
+# --- what apply() binds, feature by feature (the only names it sets) ---------------------
+
+_CONFIG = "megatron.moe_patches.config:"
+_NO_CONFIG_SEAM = ("megatron-core builds no config class of its own choosing: its users and Megatron-LM's "
+                   "argument parsing construct the config by these names (Megatron-LM's pretrain_gpt.py passes "
+                   "core_transformer_config_from_args no config_class)")
+
+
+def _config_bindings() -> Tuple[Binding, ...]:
+    owners = (("megatron.core.transformer.transformer_config", False), ("megatron.core.transformer", False),
+              ("megatron.training.arguments", True), ("megatron.training.yaml_arguments", True))
+    return tuple(Binding(owner, name, _CONFIG + f"Patched{name}", _NO_CONFIG_SEAM, optional=optional)
+                 for owner, optional in owners for name in ("TransformerConfig", "MLATransformerConfig"))
+
+
+_MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
+_DISPATCHERS = "megatron.moe_patches.dispatch.dispatchers:"
+_PICKS_DISPATCHER = ("MoELayer.__init__ picks its dispatcher class by this name; a MoELayer subclass in the layer "
+                     "spec would fail TransformerLayer's `submodules.mlp.module in (MoELayer, ...)` test")
+_SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
+_EXPERTS_SPEC = ("the experts' layer spec: TESpecProvider.grouped_mlp_modules, which every GPT/Mamba MoE spec asks "
+                 "for the experts, returns the class of this name")
+_GRAPH_ENTRY = "megatron.moe_patches.graphs.moe_layer_graphs:"
+
 SERIES: Tuple[Feature, ...] = (
     Feature(
         id="C0",
@@ -76,7 +117,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/C0-config-fields.md",
         test="tests/unit/test_config.py, tests/gpu/test_foundation.py, tests/unit/test_upstream_native.py",
         module="megatron.moe_patches.config",
-        installs=("megatron.moe_patches.config",),
+        bindings=_config_bindings(),
         requires=(),
     ),
     Feature(
@@ -94,7 +135,12 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F1-fused-permute-pad.md",
         test="tests/gpu/test_fused_permute_pad.py, tests/unit/test_fused_permute_pad.py",
         module="megatron.moe_patches.dispatch.permute_pad",
-        installs=("megatron.moe_patches.dispatch.dispatchers",),
+        bindings=(
+            Binding(_MOE_LAYER, "MoEAllGatherTokenDispatcher", _DISPATCHERS + "PatchedAllGatherTokenDispatcher",
+                    _PICKS_DISPATCHER),
+            Binding(_MOE_LAYER, "MoEAlltoAllTokenDispatcher", _DISPATCHERS + "PatchedAlltoAllTokenDispatcher",
+                    _PICKS_DISPATCHER),
+        ),
     ),
     Feature(
         id="F2",
@@ -115,7 +161,11 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F2-hybridep-blocks.md",
         test="tests/unit/test_hybridep_blocks.py",
         module="megatron.moe_patches.dispatch.hybridep_blocks",
-        installs=("megatron.moe_patches.dispatch.hybridep_blocks",),
+        bindings=(
+            Binding("megatron.core.transformer.moe.token_dispatcher", "_HybridEPManager",
+                    "megatron.moe_patches.dispatch.hybridep_blocks:HybridEPBlocksManager",
+                    "MoEFlexTokenDispatcher constructs its HybridEP manager by this name"),
+        ),
     ),
     Feature(
         id="F3",
@@ -131,7 +181,10 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F3-skip-routed-padding.md",
         test="tests/unit/test_padding_decision.py, tests/gpu/test_fused_permute_pad.py",
         module="megatron.moe_patches.experts.padding",
-        installs=("megatron.moe_patches.experts.grouped_mlp",),
+        bindings=(
+            Binding(_SPEC_PROVIDER, "TEGroupedMLP", "megatron.moe_patches.experts.grouped_mlp:PatchedTEGroupedMLP",
+                    _EXPERTS_SPEC),
+        ),
         requires=("C0", "F1"),
     ),
     Feature(
@@ -155,7 +208,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F4-op-fuser-grouped-mlp.md",
         test="tests/gpu/test_op_fuser_grouped_mlp.py, tests/unit/test_op_fuser_grouped_mlp.py",
         module="megatron.moe_patches.experts.op_fuser",
-        installs=(),
+        bindings=(),
         requires=("C0", "F3"),
     ),
     Feature(
@@ -173,7 +226,7 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_single_grouped_params.py, tests/gpu/test_device_splits.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py",
         module="megatron.moe_patches.experts.grouped_params",
-        installs=(),
+        bindings=(),
         requires=("C0", "F3", "F6"),
     ),
     Feature(
@@ -190,7 +243,12 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_grouped_checkpoint_keys.py, tests/unit/test_checkpoint_coverage.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py, tests/gpu/test_device_splits.py",
         module="megatron.moe_patches.checkpoint.grouped_keys",
-        installs=("megatron.moe_patches.checkpoint.grouped_keys",),
+        bindings=tuple(
+            Binding(_SPEC_PROVIDER, name, "megatron.moe_patches.checkpoint.grouped_keys:with_key_conversion",
+                    "the experts' layer spec: TESpecProvider.grouped_mlp_modules names the experts' FC classes "
+                    "by these names", factory=True)
+            for name in ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
+        ),
     ),
     Feature(
         id="F7",
@@ -212,7 +270,14 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_grouped_optimizer_state.py, tests/unit/test_optimizer_bucket_layout.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py, tests/gpu/test_megatron_lm_client.py",
         module="megatron.moe_patches.checkpoint.optimizer_state",
-        installs=("megatron.moe_patches.checkpoint.optimizer_state",),
+        bindings=(
+            Binding("megatron.core.optimizer", "DistributedOptimizer",
+                    "megatron.moe_patches.checkpoint.optimizer_state:GroupedParamDistributedOptimizer",
+                    "get_megatron_optimizer constructs the distributed optimizer by this name"),
+            Binding("megatron.core.optimizer.optimizer", "get_param_id_to_sharded_param_map",
+                    "megatron.moe_patches.checkpoint.optimizer_state:param_id_to_sharded_param_map",
+                    "the Float16/FP32 optimizers' sharded_state_dict call it by this name"),
+        ),
     ),
     Feature(
         id="F8",
@@ -228,7 +293,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F8-device-tokens-per-expert.md",
         test="tests/gpu/test_device_splits.py, tests/gpu/test_weighted_glu.py, tests/unit/test_expert_backends.py",
         module="megatron.moe_patches.experts.grouped_mm",
-        installs=(),
+        bindings=(),
         requires=("C0", "F3"),
     ),
     Feature(
@@ -245,7 +310,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F10-fp8-grouped-mm.md",
         test="tests/unit/test_fp8_grouped_mm.py, tests/gpu/test_fp8_grouped_mm.py",
         module="megatron.moe_patches.experts.fp8_grouped_mm",
-        installs=(),
+        bindings=(),
         requires=("C0", "F3", "F8"),
     ),
     Feature(
@@ -267,7 +332,20 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_moe_cuda_graph.py, tests/unit/test_moe_graph_entry_points.py, "
         "tests/gpu/test_moe_cuda_graph.py, tests/gpu/test_symmetric_exchange.py, tests/gpu/test_megatron_lm_client.py",
         module="megatron.moe_patches.graphs.moe_layer_graphs",
-        installs=("megatron.moe_patches.graphs.moe_layer_graphs",),
+        bindings=(
+            Binding("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", _GRAPH_ENTRY + "MoEScopeGraphHelper",
+                    "--cuda-graph-impl transformer_engine: Megatron-LM's training loop builds its graph helper by "
+                    "this name"),
+            Binding("megatron.training.training", "TECudaGraphHelper", _GRAPH_ENTRY + "MoEScopeGraphHelper",
+                    "Megatron-LM's training loop imported the graph helper by name", optional=True),
+            Binding("megatron.core.pipeline_parallel.schedules", "create_cudagraphs", _GRAPH_ENTRY + "create_cudagraphs",
+                    "--cuda-graph-impl local: the schedules capture every graph through this name after the "
+                    "warm-up steps"),
+            *(Binding(f"megatron.core.transformer.transformer_layer:{cls}", "create_mcore_cudagraph_manager",
+                      _GRAPH_ENTRY + "manager_factory", "--cuda-graph-impl local: each layer makes its graph "
+                      "manager in this method", factory=True)
+              for cls in ("TransformerLayer", "MoETransformerLayer")),
+        ),
         requires=("C0", "F3", "F8"),
     ),
     Feature(
@@ -285,7 +363,7 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F12-symmetric-exchange.md",
         test="tests/unit/test_symmetric_exchange.py, tests/gpu/test_symmetric_exchange.py",
         module="megatron.moe_patches.dispatch.symmetric_exchange",
-        installs=(),
+        bindings=(),
         requires=("C0", "F1", "F8"),
     ),
 )

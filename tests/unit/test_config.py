@@ -162,11 +162,11 @@ def test_mla_subclass_validates_once_and_stays_mla():
         PatchedMLATransformerConfig(**MOE, moe_mlp_glu_interleave_size=7)
 
 
-def test_stock_instances_pass_isinstance_against_patched_names():
-    stock = TransformerConfig(**BASE)
-    assert isinstance(stock, PatchedTransformerConfig)
-    assert not isinstance(stock, PatchedMLATransformerConfig)
-    assert isinstance(MLATransformerConfig(**BASE), PatchedMLATransformerConfig)
+def test_patched_instances_pass_isinstance_against_stock_names():
+    assert isinstance(PatchedTransformerConfig(**BASE), TransformerConfig)
+    assert not isinstance(PatchedTransformerConfig(**BASE), MLATransformerConfig)
+    assert isinstance(PatchedMLATransformerConfig(**BASE), MLATransformerConfig)
+    assert not isinstance(TransformerConfig(**BASE), PatchedTransformerConfig)  # no metaclass pretends
 
 
 def test_patch_option_defaults_for_stock_config():

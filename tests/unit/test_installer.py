@@ -49,20 +49,47 @@ def test_import_changes_nothing():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def test_apply_rebinds_everywhere_and_revert_restores_identity(reverted):
+def registry_sites(features=None):
+    """(module, attribute) of every binding the registry lists for ``features`` whose owner
+    module is imported (a class owner's attributes are not module-level names)."""
+    from megatron.moe_patches.registry import SERIES
+
+    return {
+        (b.owner, b.attribute)
+        for f in SERIES if features is None or f.id in features
+        for b in f.bindings
+        if ":" not in b.owner and b.owner in sys.modules
+    }
+
+
+def test_apply_sets_exactly_the_registry_bindings_and_revert_restores_identity(reverted):
     before = megatron_bindings()
-    stock_sites = names_bound_to(TransformerConfig)
-    assert len(stock_sites) > 5  # defining module, package re-exports, consumers
+    consumers = names_bound_to(TransformerConfig) - registry_sites({"C0"})
+    assert len(consumers) > 5  # megatron-core modules that imported the name: left alone
 
     apply(["C0"])
     assert is_applied("C0")
     assert tc_module.TransformerConfig is PatchedTransformerConfig
     assert tc_module.MLATransformerConfig is PatchedMLATransformerConfig
-    assert names_bound_to(PatchedTransformerConfig) == stock_sites
-    assert not names_bound_to(TransformerConfig)
+    after = megatron_bindings()
+    changed = {site for site, value in after.items() if before.get(site) != value}
+    assert changed == registry_sites({"C0"})
+    assert names_bound_to(TransformerConfig) == consumers
 
     revert()
     assert not is_applied("C0")
+    assert megatron_bindings() == before
+
+
+def test_the_whole_series_sets_no_name_outside_the_registry(reverted):
+    apply()  # imports every owner module once
+    revert()
+    before = megatron_bindings()
+    apply()
+    after = megatron_bindings()
+    changed = {site for site, value in after.items() if before.get(site) != value}
+    assert changed and changed <= registry_sites()
+    revert()
     assert megatron_bindings() == before
 
 
@@ -79,31 +106,21 @@ def test_apply_twice_equals_apply_once(reverted):
     assert "C0" in installer._applied
 
 
-def test_revert_covers_modules_imported_while_applied(reverted):
-    sys.modules.pop("megatron.core.transformer.moe.shared_experts", None)
+def test_revert_covers_an_optional_owner_imported_while_applied(reverted, monkeypatch):
+    # Megatron-LM's argument module, imported after apply(), copies the patched name from
+    # megatron.core.transformer; revert() must put the stock class back there too.
+    import types
+
+    monkeypatch.delitem(sys.modules, "megatron.training.arguments", raising=False)
     apply(["C0"])
-    module = importlib.import_module("megatron.core.transformer.moe.shared_experts")
-    assert module.TransformerConfig is PatchedTransformerConfig
+    from megatron.core import transformer as package
+
+    fake = types.ModuleType("megatron.training.arguments")
+    fake.TransformerConfig = package.TransformerConfig  # what its import line does
+    monkeypatch.setitem(sys.modules, "megatron.training.arguments", fake)
+    assert fake.TransformerConfig is PatchedTransformerConfig
     revert()
-    assert module.TransformerConfig is TransformerConfig
-
-
-def test_stock_name_accepts_patch_fields_after_apply(reverted):
-    kwargs = dict(num_layers=1, hidden_size=64, num_attention_heads=4)
-    with pytest.raises(TypeError):
-        tc_module.TransformerConfig(**kwargs, use_transformer_engine_op_fuser=False)
-    apply()
-    config = tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=False)
-    assert "moe_device_tokens_per_expert" in {f.name for f in dataclasses.fields(config)}
-    with pytest.raises(ValueError, match="moe_hybridep_num_blocks_permute"):
-        tc_module.TransformerConfig(**kwargs, moe_hybridep_num_blocks_permute=0)
-    mla = tc_module.MLATransformerConfig(**kwargs, moe_device_tokens_per_expert=False)
-    assert isinstance(mla, MLATransformerConfig)
-    # megatron-core's own isinstance checks now name the patched class; stock configs still pass.
-    from megatron.core.transformer import module as module_module
-
-    assert module_module.TransformerConfig is PatchedTransformerConfig
-    module_module.MegatronModule(TransformerConfig(**kwargs))
+    assert fake.TransformerConfig is TransformerConfig
 
 
 def test_revert_of_prerequisite_reverts_dependents(reverted, monkeypatch):
@@ -196,25 +213,28 @@ def test_cli_status_lists_every_entry():
 
 
 def test_whole_series_apply_revert_restores_identity(reverted):
+    from megatron.core.extensions import transformer_engine_spec_provider as spec_provider
     from megatron.core.transformer.moe import experts, moe_layer, token_dispatcher
 
     before = megatron_bindings()
     stock_classes = (experts.TEGroupedMLP, moe_layer.MoEAlltoAllTokenDispatcher, token_dispatcher._HybridEPManager)
     rows = {r.id: r.state for r in apply()}
     assert {rows[f] for f in ("C0", "F1", "F2", "F3", "F8")} == {"applied"}
-    # The classes megatron-core builds by name are now the patched subclasses.
-    assert experts.TEGroupedMLP is not stock_classes[0] and issubclass(experts.TEGroupedMLP, stock_classes[0])
+    # The experts come from the layer spec: its provider names the patched class; the
+    # experts module keeps the stock one (the patched class calls its methods).
+    assert spec_provider.TEGroupedMLP is not stock_classes[0] and issubclass(spec_provider.TEGroupedMLP, stock_classes[0])
+    assert experts.TEGroupedMLP is stock_classes[0]
     # One patched class per stock dispatcher, carrying F1 and F8 as options.
     assert moe_layer.MoEAlltoAllTokenDispatcher.__module__ == "megatron.moe_patches.dispatch.dispatchers"
     assert issubclass(moe_layer.MoEAlltoAllTokenDispatcher, stock_classes[1])
     assert token_dispatcher._HybridEPManager.__module__ == "megatron.moe_patches.dispatch.hybridep_blocks"
     revert()
     assert megatron_bindings() == before
-    assert (experts.TEGroupedMLP, moe_layer.MoEAlltoAllTokenDispatcher, token_dispatcher._HybridEPManager) == stock_classes
+    assert (spec_provider.TEGroupedMLP, moe_layer.MoEAlltoAllTokenDispatcher, token_dispatcher._HybridEPManager) == stock_classes
 
 
 def test_revert_one_feature_keeps_the_others(reverted):
-    from megatron.core.transformer.moe import experts
+    from megatron.core.extensions import transformer_engine_spec_provider as experts
 
     stock_experts = experts.TEGroupedMLP
     apply()

@@ -133,7 +133,8 @@ def test_te_helper_is_the_stock_one_where_no_dropless_moe_layer_is_graphed(overr
 
 def layer_with_mlp(mlp_spec, config, factory_class=TransformerLayer):
     layer = types.SimpleNamespace(submodules_config=types.SimpleNamespace(mlp=mlp_spec), config=config)
-    moe_cuda_graph._manager_factory(factory_class)(layer, config)
+    stock = factory_class.__dict__["create_mcore_cudagraph_manager"]
+    moe_cuda_graph.manager_factory(factory_class, stock)(layer, config)
     return layer
 
 

@@ -21,8 +21,22 @@ def test_every_entry_is_documented_and_points_somewhere_real():
         assert set(feature.fields) <= set(PATCH_FIELD_NAMES), feature.id
         assert all(dep in BY_ID for dep in feature.requires)
         importlib.import_module(feature.module)  # the one hop from the registry to the code
-        for module in feature.installs:
-            assert callable(importlib.import_module(module).replacements), module
+
+
+def test_every_binding_names_a_real_owner_and_object_and_says_why():
+    bindings = [b for feature in SERIES for b in feature.bindings]
+    assert len(bindings) <= 24  # the short list
+    for binding in bindings:
+        assert len(binding.reason) > 30, binding
+        module_name, _, qualname = binding.patched.partition(":")
+        assert callable(getattr(importlib.import_module(module_name), qualname)), binding.patched
+        if binding.optional:  # Megatron-LM's modules
+            assert binding.owner.startswith("megatron.training."), binding
+            continue
+        owner_module, _, owner_class = binding.owner.partition(":")
+        owner = importlib.import_module(owner_module)
+        owner = getattr(owner, owner_class) if owner_class else owner
+        assert binding.attribute in vars(owner), binding
 
 
 def test_every_proving_test_exists():
@@ -41,5 +55,6 @@ def test_what_installs_the_experts_also_installs_the_dispatchers():
         return {feature_id}.union(*(closure(dep) for dep in feature.requires))
 
     for feature in SERIES:
-        if "megatron.moe_patches.experts.grouped_mlp" in feature.installs or feature.id in ("F4", "F5", "F8"):
+        installs_experts = any(b.patched.endswith(":PatchedTEGroupedMLP") for b in feature.bindings)
+        if installs_experts or feature.id in ("F4", "F5", "F8"):
             assert {"F1", "F3"} <= closure(feature.id), feature.id

@@ -89,26 +89,15 @@ def load_pre_hook(module, state_dict, prefix, *args):
     normalize_grouped_keys(state_dict, prefix, module.num_gemms, grouped_names(module))
 
 
-def _grouped_linear_classes():
-    from megatron.core.extensions import transformer_engine as te_ext
+def with_key_conversion(owner, cls):
+    """For apply(): ``cls`` (a TE grouped linear of the experts' spec) as a subclass that loads
+    grouped or indexed expert keys; ``cls`` itself where TE is missing (nothing to patch)."""
+    if cls is None:
+        return cls
 
-    names = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
-    return [getattr(te_ext, n) for n in names if getattr(te_ext, n, None) is not None]
-
-
-def _with_key_conversion(cls):
     def __init__(self, *args, **kwargs):
         cls.__init__(self, *args, **kwargs)
         self._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__,
                                        "__doc__": f"{cls.__name__} that loads grouped or indexed expert keys (F6)."})
-
-
-def replacements():
-    """Subclasses of the TE grouped linears (none without TE: there is nothing to patch)."""
-    try:
-        classes = _grouped_linear_classes()
-    except ImportError:
-        return []
-    return [(cls, _with_key_conversion(cls)) for cls in classes]

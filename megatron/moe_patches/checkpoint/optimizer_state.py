@@ -241,10 +241,3 @@ class GroupedParamDistributedOptimizer(DistributedOptimizer):
         for chunk, chunk_state in zip(self.model_chunks, per_chunk):
             found.update(state_dict_param_map(chunk.named_parameters(), chunk_state))
         return found
-
-
-def replacements():
-    return [
-        (DistributedOptimizer, GroupedParamDistributedOptimizer),
-        (get_param_id_to_sharded_param_map, param_id_to_sharded_param_map),
-    ]

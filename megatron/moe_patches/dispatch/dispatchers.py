@@ -241,10 +241,3 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
         return output
-
-
-def replacements():
-    return [
-        (MoEAllGatherTokenDispatcher, PatchedAllGatherTokenDispatcher),
-        (MoEAlltoAllTokenDispatcher, PatchedAlltoAllTokenDispatcher),
-    ]

@@ -125,7 +125,3 @@ class HybridEPBlocksManager(_HybridEPManager):
     def dispatch(self, hidden_states, *args, **kwargs):
         ensure_hybridep_buffer(fused_a2a, self.config, self.group, hidden_states, self.num_local_experts)
         return super().dispatch(hidden_states, *args, **kwargs)
-
-
-def replacements():
-    return [(_HybridEPManager, HybridEPBlocksManager)]

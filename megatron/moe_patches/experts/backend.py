@@ -91,10 +91,9 @@ class ExpertBackend:
         recipe's own GEMM alignment, else None."""
         return None
 
-    # megatron-core's own methods. apply() rebinds the name TEGroupedMLP to the patched
-    # class everywhere but in this package; stock() also undoes it should this module
-    # ever be imported while the patches are on.
-    stock = cap.stock(TEGroupedMLP)
+    # megatron-core's own methods (apply() binds the experts' spec to the patched class,
+    # never this name).
+    stock = TEGroupedMLP
 
     def __init__(self, experts):
         """Prepare ``experts`` for this backend (parameter layouts); called once."""

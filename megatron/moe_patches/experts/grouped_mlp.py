@@ -65,7 +65,3 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return self.backend.sharded_state_dict(self, super().sharded_state_dict(prefix, sharded_offsets, metadata))
-
-
-def replacements():
-    return [(TEGroupedMLP, PatchedTEGroupedMLP)]

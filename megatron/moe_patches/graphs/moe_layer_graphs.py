@@ -24,7 +24,7 @@ stream) and hands them to the real parameters outside the graph, where DDP's hoo
 them as usual.
 
 Every training loop reaches the one capture (``capture_moe_layers``) through megatron-core's
-own graph entry points, which ``apply()`` installs (``replacements()``):
+own graph entry points, which ``apply()`` installs (the registry lists the bindings):
 
 - ``--cuda-graph-impl transformer_engine``: the loop builds megatron-core's
   ``TECudaGraphHelper`` and calls its ``create_cudagraphs()`` after
@@ -62,11 +62,10 @@ from megatron.moe_patches.experts.table import backend_support, select_backend
 from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.dispatch.symmetric_exchange import exchange_blocker
 
-# This package keeps the stock objects (apply() rebinds megatron-core's names, not these).
+# The stock objects, kept before apply() binds megatron-core's names to this module's.
 _STOCK_TE_HELPER = mcore_graphs.TECudaGraphHelper
 _STOCK_CREATE_CUDAGRAPHS = mcore_graphs.create_cudagraphs
-_STOCK_MANAGER_FACTORIES = {cls: cls.__dict__["create_mcore_cudagraph_manager"]
-                            for cls in (TransformerLayer, MoETransformerLayer)}
+
 
 GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
 
@@ -463,8 +462,10 @@ def _builds_moe_layer(spec) -> bool:
     return isinstance(module, type) and issubclass(module, MoELayer)
 
 
-def _manager_factory(layer_class):
-    stock_factory = _STOCK_MANAGER_FACTORIES[layer_class]
+def manager_factory(layer_class, stock_factory):
+    """``layer_class.create_mcore_cudagraph_manager`` for apply(): a dropless MoE layer under
+    the moe scope gets MoEScopeGraphManager (the patch set's capture), anything else what
+    ``stock_factory`` gives it."""
 
     def create_mcore_cudagraph_manager(self, config):
         if graphs_dropless_moe(config) and _builds_moe_layer(self.submodules_config.mlp):
@@ -476,15 +477,3 @@ def _manager_factory(layer_class):
         f"{layer_class.__name__}'s graph manager factory; a dropless MoE layer under the moe "
         "scope gets MoEScopeGraphManager (the patch set's capture), anything else the stock one.")
     return create_mcore_cudagraph_manager
-
-
-def replacements():
-    """F11's patches for ``apply()``: megatron-core's graph entry points, so that every loop
-    reaches ``capture_moe_layers``. Module-level names are (stock, patched) pairs; the layer
-    classes' manager factories are (class, attribute, patched) triples: they are methods,
-    which no module-level name holds."""
-    return [
-        (_STOCK_TE_HELPER, MoEScopeGraphHelper),
-        (_STOCK_CREATE_CUDAGRAPHS, create_cudagraphs),
-        *((cls, "create_mcore_cudagraph_manager", _manager_factory(cls)) for cls in _STOCK_MANAGER_FACTORIES),
-    ]
