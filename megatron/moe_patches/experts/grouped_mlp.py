@@ -10,7 +10,7 @@ and a padding plan, both chosen once at construction.
 - Single grouped parameters (F5) are refused here, by the table's one rule, when the
   chosen backend cannot hold them.
 
-Installed by F3 (``apply()`` rebinds ``TEGroupedMLP`` to it); F4, F5 and F8 are its
+Installed by F3 (``apply()`` binds the experts' layer spec to it: the registry says where); F4, F5 and F8 are its
 backends and options and require F3.
 """
 
