@@ -29,7 +29,7 @@ def main(out_path):
             dict(
                 rank=rank,
                 case=[precision, experts, topk, tokens],
-                fused=layer.token_dispatcher.pad_align is not None and layer.experts.padding_plan.dispatcher_pads,
+                fused=layer.token_dispatcher.permute_step.pads and layer.experts.padding_plan.dispatcher_pads,
                 activations=compare(stock, patched, [n for n in stock if "experts." not in n]),
                 expert_wgrads=compare(stock, patched, [n for n in stock if "experts." in n]),
             )

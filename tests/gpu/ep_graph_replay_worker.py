@@ -26,6 +26,7 @@ def main(out_path):
     rank = start_worker(expert_model_parallel_size=2)
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply
+    from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
     from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs
     from megatron.moe_patches.testing.layer_harness import build_moe_layer, fp8_context
 
@@ -66,7 +67,8 @@ def main(out_path):
         torch.cuda.synchronize()
         print(f"rank {rank} {name}: replays {replays}, bitwise {compare(eager_a, replay_a)['bitwise']}", flush=True)
         results.append(dict(rank=rank, case=name, layers=depth, replays=replays,
-                            exchange=all(layer.token_dispatcher.exchange is not None for layer in layers),
+                            exchange=all(isinstance(layer.token_dispatcher.exchange, SymmetricMemoryAllToAll)
+                                         for layer in layers),
                             backend=layers[0].experts.backend.name,
                             routing_differs=not torch.equal(eager_a["output"], eager_b["output"]),
                             replay_a=compare(eager_a, replay_a), replay_b=compare(eager_b, replay_b)))

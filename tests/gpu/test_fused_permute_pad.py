@@ -107,7 +107,7 @@ def test_moe_layer_fused_matches_stock(single_gpu, precision, dispatcher, expert
         revert()
     dispatcher_obj = layer.token_dispatcher
     fused = precision != "bf16"
-    assert (dispatcher_obj.pad_align is not None) == fused, "fused permute+pad path not taken"
+    assert dispatcher_obj.permute_step.pads == fused, "fused permute+pad path not taken"
     assert layer.experts.padding_plan.dispatcher_pads == fused and not layer.experts.padding_plan.experts_pad
     if fused and routing == "aligned":
         assert dispatcher_obj.pad_offsets is None  # TE found nothing to pad

@@ -10,6 +10,7 @@ from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches.experts import table as expert_table
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
+from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, NcclAllToAllDeviceCounts
 from megatron.moe_patches.kernels.weighted_glu import glu_spec
 
 BASE = dict(
@@ -165,7 +166,7 @@ def test_grouped_mm_mlp_matches_per_expert_loop():
 
 def test_dispatcher_drops_only_the_host_count_sync():
     dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)
-    dispatcher.device_splits = True
+    dispatcher.exchange = NcclAllToAllDeviceCounts()
     dispatcher.cuda_sync_point_priority = {
         "before_permutation_1": 0, "before_ep_alltoall": 1, "before_permutation_2": 2,
         "before_finish": 3, "no_sync": 4,
@@ -175,7 +176,7 @@ def test_dispatcher_drops_only_the_host_count_sync():
     assert dispatcher.cuda_sync_point == "no_sync"  # EP=1: nothing else needs the host
     dispatcher._maybe_update_cuda_sync_point("before_ep_alltoall")
     assert dispatcher.cuda_sync_point == "before_ep_alltoall"  # EP>1: split sizes do
-    dispatcher.device_splits = False
+    dispatcher.exchange = NcclAllToAll()
     dispatcher.cuda_sync_point = "no_sync"
     dispatcher._maybe_update_cuda_sync_point("before_finish")
     assert dispatcher.cuda_sync_point == "before_finish"

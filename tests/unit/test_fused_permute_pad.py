@@ -7,7 +7,8 @@ from megatron.core.transformer.moe import token_dispatcher
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import fields
 from megatron.moe_patches.experts import padding as f3
-from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
+from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher, alltoall_permute_step
+from megatron.moe_patches.dispatch.exchanges import NcclAllToAll
 from megatron.moe_patches.dispatch.permute_pad import align_up
 from megatron.moe_patches.testing.reference import reference_permute_and_pad, reference_unpermute_and_unpad
 
@@ -110,9 +111,8 @@ def bare_alltoall(config, ep_size, num_local_experts, ep_rank=0):
     """The dispatcher without __init__ (that needs CUDA streams): the attributes preprocess reads."""
     dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)
     dispatcher.config = config
-    dispatcher.pad_align = fused_padding_alignment(config)
-    dispatcher.device_splits = dispatcher.skips_chunk_sort = False
-    dispatcher.exchange = None
+    dispatcher.permute_step = alltoall_permute_step(config, fused_padding_alignment(config))
+    dispatcher.exchange = NcclAllToAll()
     dispatcher.drop_and_pad = False
     dispatcher.ep_size, dispatcher.tp_size, dispatcher.tp_rank = ep_size, 1, 0
     dispatcher.num_experts = config.num_moe_experts
@@ -167,7 +167,7 @@ def test_alltoall_padded_metadata_ep2(moe_config, te_kernel, monkeypatch):
 
 def test_alltoall_unpadded_when_inactive(moe_config, te_kernel):
     dispatcher = bare_alltoall(moe_config(), ep_size=1, num_local_experts=8)  # bf16
-    assert dispatcher.pad_align is None
+    assert not dispatcher.permute_step.pads
     assert dispatcher.preprocess(routing_for([5, 0, 3, 1, 1, 1, 1, 1])).tolist() == [5, 0, 3, 1, 1, 1, 1, 1]
 
 

@@ -9,7 +9,7 @@ import torch
 from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.moe_patches.dispatch import dispatchers
+from megatron.moe_patches.dispatch import dispatchers, permute_pad
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.graphs.moe_layer_graphs import graph_blocker, scope_names
 
@@ -139,20 +139,23 @@ def test_allgather_device_counts_wiring(monkeypatch):
     routing map's column sums, not a host copy."""
     calls = {}
 
-    def fake_permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False):
-        calls.update(num_out_tokens=num_out_tokens, fused=fused, probs=probs)
+    def fake_permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False):
+        calls.update(num_out_tokens=num_out_tokens, fused=fused, probs=probs, drop_and_pad=drop_and_pad)
         return tokens.repeat(2, 1), probs.T[routing_map.T], torch.zeros(1)
 
-    monkeypatch.setattr(dispatchers, "permute", fake_permute)
+    monkeypatch.setattr(permute_pad, "permute", fake_permute)
+    c = config(moe_token_dispatcher_type="allgather")
     dispatcher = object.__new__(dispatchers.PatchedAllGatherTokenDispatcher)
-    dispatcher.config = config(moe_token_dispatcher_type="allgather")
+    dispatcher.permute_step = dispatchers.allgather_permute_step(c, None, counts_on_device=True)
+    dispatcher.local_experts = slice(0, 8)
     routing = torch.zeros(5, 8, dtype=torch.bool)
     for token, experts in enumerate([(0, 3), (3, 7), (0, 1), (1, 3), (6, 7)]):
         routing[token, list(experts)] = True
     probs = torch.rand(5, 8) * routing
     dispatcher.routing_map = routing
-    _, counts, permuted_probs = dispatcher._permute_with_device_counts(torch.randn(5, 64), probs)
+    _, counts, permuted_probs = dispatcher.dispatch_postprocess(torch.randn(5, 64), probs)
     assert calls["num_out_tokens"] == 10 and calls["fused"] and calls["probs"] is probs
+    assert not calls["drop_and_pad"]
     assert counts.tolist() == [2, 2, 0, 3, 0, 0, 1, 2] and counts.dtype == torch.long
     assert torch.equal(permuted_probs, probs.T[routing.T])
     assert dispatcher.routing_map is None and dispatcher.local_map is routing

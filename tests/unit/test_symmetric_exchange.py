@@ -167,19 +167,21 @@ class _FakeExchange:
 
 
 def test_dispatcher_routes_through_the_exchange_and_never_asks_the_host(moe_config):
-    from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
+    from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher, alltoall_permute_step
+    from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
 
     config = moe_config(moe_device_tokens_per_expert=True, moe_router_topk=2)
     dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)  # no __init__: it needs CUDA streams
-    dispatcher.config, dispatcher.exchange, dispatcher.skips_chunk_sort = config, _FakeExchange(), True
-    dispatcher.shared_experts, dispatcher.device_splits, dispatcher.pad_align = None, True, None
+    fake = _FakeExchange()
+    dispatcher.config, dispatcher.exchange = config, SymmetricMemoryAllToAll(fake)
+    dispatcher.shared_experts, dispatcher.permute_step = None, alltoall_permute_step(config, None)
     routing_map = torch.zeros(6, 8, dtype=torch.bool)
     routing_map[torch.arange(6), torch.arange(6) % 8] = True
     routing_map[torch.arange(6), 7] = True
 
     tokens_per_expert = dispatcher.preprocess(routing_map)
     assert tokens_per_expert.tolist() == [5, 7] and dispatcher.num_out_tokens == 12
-    assert dispatcher.exchange.calls[0] == ("plan", routing_map.sum(0).tolist(), 6)
+    assert fake.calls[0] == ("plan", routing_map.sum(0).tolist(), 6)
     # No split size is copied to the host at any sync point.
     for point in ("before_permutation_1", "before_ep_alltoall", "before_permutation_2", "before_finish"):
         assert dispatcher._maybe_dtoh_and_synchronize(point, tokens_per_expert) is tokens_per_expert
@@ -187,17 +189,18 @@ def test_dispatcher_routes_through_the_exchange_and_never_asks_the_host(moe_conf
     plan = dispatcher.exchange_plan
     x, probs = torch.ones(12, 4), torch.full((12,), 0.5)
     received, received_probs = dispatcher.token_dispatch(x, probs)
-    assert torch.equal(received, x * 2) and dispatcher.exchange.calls[1] == ("dispatch", plan, 12)
+    assert torch.equal(received, x * 2) and fake.calls[1] == ("dispatch", plan, 12)
     dispatcher.tokens_per_expert = tokens_per_expert
     out, counts, out_probs = dispatcher.dispatch_postprocess(received, received_probs)
     assert out is received and counts is tokens_per_expert and out_probs is received_probs  # no chunk sort
     assert dispatcher.combine_preprocess(out) is out
     assert torch.equal(dispatcher.token_combine(out), out + 1)
-    assert dispatcher.exchange.calls[2] == ("combine", plan, 12)
+    assert fake.calls[2] == ("combine", plan, 12)
 
 
 def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
     from megatron.moe_patches.graphs import moe_layer_graphs as moe_cuda_graph
+    from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, SymmetricMemoryAllToAll
     from megatron.moe_patches.driver.training import describe_moe_layers
 
     def layer(exchange, ep_size):
@@ -206,8 +209,10 @@ def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
                                      token_dispatcher=dispatcher)
 
     for layers, expected in (
-        ([layer(object(), 2)] * 2, "2 MoE layers | experts: grouped_mm | EP 2 exchange: symmetric memory"),
-        ([layer(None, 2)], "EP 2 exchange: SimpleNamespace's own"),
+        ([layer(SymmetricMemoryAllToAll(object()), 2)] * 2,
+         "2 MoE layers | experts: grouped_mm | EP 2 exchange: symmetric memory"),
+        ([layer(NcclAllToAll(), 2)], "EP 2 exchange: SimpleNamespace's own"),
+        ([layer(None, 2)], "EP 2 exchange: SimpleNamespace's own"),  # a stock dispatcher
         ([layer(None, 1)], "EP 1 exchange: none (EP 1)"),
         ([], ""),
     ):
@@ -511,9 +516,10 @@ def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(monkeypatch, fu
     monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, ep: asked.append((g, ep)) or exchange)
     config = _exchange_config()
     dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=config)
-    assert dispatcher.exchange is exchange and dispatcher.skips_chunk_sort and asked == [("ep-group", 2)]
+    assert dispatcher.exchange.symmetric is exchange and asked == [("ep-group", 2)]
+    assert dispatcher.exchange.lands_grouped_by_local_expert
     monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, ep: None)
-    assert not dispatchers.PatchedAlltoAllTokenDispatcher(config=config).skips_chunk_sort
+    assert not dispatchers.PatchedAlltoAllTokenDispatcher(config=config).exchange.lands_grouped_by_local_expert
 
 
 def test_a_plan_is_sized_from_tokens_times_topk(monkeypatch):

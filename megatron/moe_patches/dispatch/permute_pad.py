@@ -1,27 +1,49 @@
-"""F1: permute straight into the padded, expert-grouped layout; unpermute out of it.
+"""The dispatchers' permute step: tokens grouped by expert, plain or padded to an alignment (F1).
 
-When quantized expert compute needs aligned per-expert token counts and
-``routed_expert_padding.padding_plan`` gives the padding to the dispatcher
-(``padded_by == "permute"``), the allgather and alltoall dispatchers
-(``dispatchers.py``) call TE's ``moe_permute_and_pad_with_probs`` instead of permute +
-``Fp8Padding``, keep its ``pad_offsets`` and hand them to
-``moe_unpermute(..., pad_offsets=...)`` at combine time. The experts then skip their own
-padding (F3). Upstream: NVIDIA/Megatron-LM#2763 (kernel: TransformerEngine#1921).
+A dispatcher holds one step, chosen at construction (``dispatchers.alltoall_permute_step``,
+``dispatchers.allgather_permute_step``):
+
+- ``PlainPermute``: megatron-core's permute and unpermute, called as its dispatchers call
+  them (the alltoall dispatcher's routing map padded by the router where
+  ``moe_router_padding_for_quantization`` asks for it); the experts pad if anyone does.
+- ``DeviceCountPermute``: the allgather dispatcher's local permutation when every expert is
+  local (F8, one rank, no TP, dropless): sized tokens x top-k without the GPU, the probs
+  carried by TE's fused permute, the experts' counts left on the device.
+- ``PaddedPermute``: F1. When quantized expert compute needs aligned per-expert token
+  counts and ``padding_plan`` gives the padding to the dispatcher (``padded_by ==
+  "permute"``), TE's ``moe_permute_and_pad_with_probs`` permutes straight into per-expert
+  groups padded to the alignment, and ``moe_unpermute(..., pad_offsets=...)`` drops the
+  padding rows at combine time. The experts then skip their own padding (F3). Upstream:
+  NVIDIA/Megatron-LM#2763 (kernel: TransformerEngine#1921).
 
 EP > 1 (alltoall): every rank pads each of its (expert) chunks before the all-to-all,
 so each (source rank, local expert) block arrives as a multiple of the alignment and the
-receiver's chunk sort keeps the expert groups aligned. The price is up to ``align - 1``
-zero rows per (rank, expert) on the wire; the alternative, padding after the receiver's
-chunk sort, would need a separate padding pass, which is what this patch removes. See
+receiver's chunk sort keeps the expert groups aligned (``PaddedPermute.align_splits``
+rounds every split size the stock metadata holds). The price is up to ``align - 1`` zero
+rows per (rank, expert) on the wire; the alternative, padding after the receiver's chunk
+sort, would need a separate padding pass, which is what this patch removes. See
 patches/F1-fused-permute-pad.md. A pure PyTorch statement of the semantics (the GPU
 tests' oracle) is ``testing.reference``.
 
 Where the fused path cannot run (no TE kernel, router padding, capacity dropping,
-expert TP > 1, non-TE experts, the flex dispatcher) the stock path runs unchanged:
+expert TP > 1, non-TE experts, the flex dispatcher) the plain step runs: megatron-core's
 permute, then the experts pad.
+
+Per-step state (row maps, pad offsets) stays on the dispatcher, under megatron-core's
+names: the steps hold options only.
 """
 
+from typing import NamedTuple, Optional
+
 import torch
+from megatron.core.config import is_experimental_enabled
+from megatron.core.fusions.fused_pad_routing_map import fused_pad_routing_map
+from megatron.core.transformer.moe.moe_utils import (
+    get_align_size_for_quantization,
+    pad_routing_map,
+    permute,
+    unpermute,
+)
 
 
 def align_up(counts: torch.Tensor, align: int) -> torch.Tensor:
@@ -46,3 +68,141 @@ def unpermute_and_unpad(tokens, row_id_map, pad_offsets, restore_shape):
     return _te_permutation().moe_unpermute(
         tokens, row_id_map, restore_shape=restore_shape, pad_offsets=pad_offsets
     )
+
+
+class Permuted(NamedTuple):
+    """One permutation's results. ``routing_map``: the map the unpermute reads (the
+    allgather dispatcher's local columns); ``tokens_per_expert``: the experts' counts where
+    the step makes them (the allgather dispatcher), else None."""
+
+    x_RH: torch.Tensor
+    probs_R: torch.Tensor
+    row_id_map: torch.Tensor
+    pad_offsets: Optional[torch.Tensor]
+    tokens_per_expert: Optional[torch.Tensor]
+    routing_map: torch.Tensor
+
+
+class PlainPermute:
+    """megatron-core's permute and unpermute, no padding rows of their own (the router's
+    padded map and capacity padding are megatron-core's options, kept as it runs them)."""
+
+    pads = False
+
+    def __init__(self, fused: bool, drop_and_pad: bool = False, router_align: Optional[int] = None):
+        self.fused = fused
+        self.drop_and_pad = drop_and_pad
+        self.router_align = router_align  # the alltoall dispatcher's router padding, or None
+
+    @classmethod
+    def for_alltoall(cls, config) -> "PlainPermute":
+        router_pads = config.moe_router_padding_for_quantization
+        return cls(
+            fused=config.moe_permute_fusion,
+            drop_and_pad=config.moe_pad_expert_input_to_capacity,
+            router_align=get_align_size_for_quantization(config) if router_pads else None,
+        )
+
+    def route(self, routing_map_TE: torch.Tensor) -> torch.Tensor:
+        """The routing map the permutation follows (the alltoall dispatcher, before its metadata)."""
+        if self.router_align is None:
+            return routing_map_TE
+        if is_experimental_enabled() and self.fused:
+            return fused_pad_routing_map(routing_map_TE, self.router_align)
+        return pad_routing_map(routing_map_TE, self.router_align)
+
+    def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
+        """The alltoall dispatcher's split sizes as its exchange made them."""
+        return tokens_per_local_expert
+
+    def permute(self, x_TH, probs_TE, routing_map_TE, num_out_tokens) -> Permuted:
+        """The alltoall dispatcher's permutation: rows and probs grouped by expert."""
+        x_RH, probs_R, row_id_map = permute(
+            x_TH, routing_map_TE, probs=probs_TE, num_out_tokens=num_out_tokens,
+            fused=self.fused, drop_and_pad=self.drop_and_pad,
+        )
+        return Permuted(x_RH, probs_R, row_id_map, None, None, routing_map_TE)
+
+    def permute_local(self, x_TH, probs_TE, routing_map_TE, local: slice) -> Permuted:
+        """The allgather dispatcher's: the gathered rows of this rank's experts, sized by a
+        host copy of their counts, the probs selected after."""
+        local_map_TE = routing_map_TE[:, local].contiguous()
+        local_probs_TE = probs_TE[:, local].contiguous()
+        tokens_per_expert = local_map_TE.sum(dim=0).long().cpu()
+        x_RH, _, row_id_map = permute(
+            x_TH, local_map_TE, num_out_tokens=tokens_per_expert.sum(), fused=self.fused
+        )
+        probs_R = local_probs_TE.T.contiguous().masked_select(local_map_TE.T.contiguous())
+        return Permuted(x_RH, probs_R, row_id_map, None, tokens_per_expert, local_map_TE)
+
+    def unpermute(self, y_RH, row_id_map, pad_offsets, restore_shape, routing_map_TE):
+        return unpermute(
+            y_RH, row_id_map, restore_shape=restore_shape, routing_map=routing_map_TE,
+            fused=self.fused, drop_and_pad=self.drop_and_pad,
+        )
+
+
+class DeviceCountPermute(PlainPermute):
+    """The allgather dispatcher with every expert local (one rank): the permuted row count is
+    tokens x top-k, known without the GPU, so the counts stay on the device and TE's fused
+    permute carries the probs (the plain one sizes by a host copy and selects the probs with
+    masked_select, a sync)."""
+
+    def __init__(self, topk: int):
+        super().__init__(fused=True)
+        self.topk = topk
+
+    def permute_local(self, x_TH, probs_TE, routing_map_TE, local: slice) -> Permuted:
+        # One rank: ``local`` is every expert.
+        tokens_per_expert_E = routing_map_TE.sum(dim=0).long()
+        permuted = self.permute(x_TH, probs_TE, routing_map_TE, routing_map_TE.shape[0] * self.topk)
+        return permuted._replace(tokens_per_expert=tokens_per_expert_E)
+
+
+class PaddedPermute:
+    """F1: rows grouped by expert, each group padded to a multiple of ``align`` in the same
+    pass; the unpermute drops the padding rows."""
+
+    pads = True
+
+    def __init__(self, align: int):
+        self.align = align
+
+    def route(self, routing_map_TE: torch.Tensor) -> torch.Tensor:
+        return routing_map_TE  # the router never pads here (padding_plan)
+
+    def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
+        """The alltoall dispatcher's split sizes (all-to-all splits, the receiver's chunk sort,
+        the experts' counts) for padded chunks: each is the stock value with every (rank,
+        expert) count rounded up, so they are derived from the stock metadata, not recomputed."""
+        d, align = dispatcher, self.align
+        local_counts = routing_map_TE.sum(dim=0).long()
+        # [source rank, local expert] token counts as the stock preprocess derived them.
+        if d.ep_size == 1:
+            per_source = local_counts.view(1, -1)
+        elif d.num_local_experts > 1:
+            per_source = d.num_global_tokens_per_local_expert
+        else:
+            per_source = d.output_splits.view(-1, 1)
+        padded = align_up(per_source, align)
+        if d.ep_size > 1:
+            d.input_splits = align_up(local_counts, align).view(d.ep_size, -1).sum(dim=1)
+            d.output_splits = padded.sum(dim=1)
+            d.output_splits_tp = padded.sum().view(1)
+        if d.num_local_experts > 1:
+            d.num_global_tokens_per_local_expert = padded
+        return padded.sum(dim=0)
+
+    def permute(self, x_TH, probs_TE, routing_map_TE, num_out_tokens=None) -> Permuted:
+        """``num_out_tokens`` unused: the kernel sizes the padded groups itself."""
+        x_RH, probs_R, row_id_map, pad_offsets, padded_E = permute_and_pad(x_TH, probs_TE, routing_map_TE, self.align)
+        return Permuted(x_RH, probs_R, row_id_map, pad_offsets, padded_E, routing_map_TE)
+
+    def permute_local(self, x_TH, probs_TE, routing_map_TE, local: slice) -> Permuted:
+        local_map_TE = routing_map_TE[:, local].contiguous()
+        permuted = self.permute(x_TH, probs_TE[:, local].contiguous(), local_map_TE)
+        # The experts take host counts, as with the stock dispatcher.
+        return permuted._replace(tokens_per_expert=permuted.tokens_per_expert.cpu())
+
+    def unpermute(self, y_RH, row_id_map, pad_offsets, restore_shape, routing_map_TE):
+        return unpermute_and_unpad(y_RH, row_id_map, pad_offsets, restore_shape)

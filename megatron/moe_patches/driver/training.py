@@ -331,6 +331,7 @@ def setup(args: argparse.Namespace):
 
 def describe_moe_layers(gpt) -> str:
     """One line: what the MoE layers run (expert backend, expert-parallel exchange), or ''."""
+    from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
     from megatron.moe_patches.graphs.moe_layer_graphs import moe_layers
 
     layers = moe_layers(gpt)
@@ -340,7 +341,7 @@ def describe_moe_layers(gpt) -> str:
     backend = getattr(getattr(layer.experts, "backend", None), "name", type(layer.experts).__name__)
     dispatcher = layer.token_dispatcher
     ep_size = getattr(dispatcher, "ep_size", 1)
-    if getattr(dispatcher, "exchange", None) is not None:
+    if isinstance(getattr(dispatcher, "exchange", None), SymmetricMemoryAllToAll):
         exchange = "symmetric memory (F12, no host sync)"
     else:
         exchange = f"{type(dispatcher).__name__}'s own" if ep_size > 1 else "none (EP 1)"

@@ -1,0 +1,198 @@
+"""How the dispatchers' rows reach the ranks that own their experts and come back: one
+object per exchange, chosen once when the dispatcher is built.
+
+The alltoall dispatcher (``dispatchers.PatchedAlltoAllTokenDispatcher``) hands each of its
+phases to its exchange, with itself as ``d``: the per-step state (split sizes, counts, the
+exchange plan) stays on the dispatcher, under megatron-core's names, as the stock methods
+and megatron-core's CUDA graph capture expect.
+
+- ``NcclAllToAll``: megatron-core's own (NCCL ``all_to_all_single`` with host split sizes,
+  its sync points, the receiver's chunk sort by local expert), run by its own methods.
+- ``NcclAllToAllDeviceCounts`` (F8): the same, the experts' token counts left on the
+  device (only the split sizes go to the host).
+- ``NcclAllToAllOneSource`` (F8 at EP 1 without TP): one source rank, so the chunk sort by
+  local expert is the identity; it is skipped both ways.
+- ``SymmetricMemoryAllToAll`` (F12): ``symmetric_exchange.SymmetricExchange``, no split
+  size on the host, rows landing grouped by local expert.
+
+The allgather dispatcher's exchange is ``AllGather`` (megatron-core's gather and
+reduce-scatter over TP x EP).
+
+Each exchange declares what it does as class attributes; ``lands_grouped_by_local_expert``
+and ``split_sizes_to_host`` are what its methods below implement, ``carries_padded_chunks``
+whether F1's padded chunks may go through it.
+"""
+
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
+
+# The stock methods the NCCL exchanges run on the dispatcher (``d`` is always one of our
+# subclasses; calling through the stock class keeps its overrides out of the way).
+_ALLTOALL = MoEAlltoAllTokenDispatcher
+_ALLGATHER = MoEAllGatherTokenDispatcher
+
+
+class AlltoAllExchange:
+    """The alltoall dispatcher's exchange: its phases, each given the dispatcher ``d``."""
+
+    name: str
+    split_sizes_to_host: bool  # the exchange needs its split sizes on the host (a sync)
+    counts_to_host: bool  # the experts get host token counts
+    lands_grouped_by_local_expert: bool  # received rows need no chunk sort
+    carries_padded_chunks: bool  # F1's per-(rank, expert) padded chunks may go through it
+
+    def preprocess(self, d, routing_map_TE):
+        """The metadata for this routing; returns the local experts' token counts."""
+        raise NotImplementedError
+
+    def update_sync_point(self, d, point: str) -> None:
+        raise NotImplementedError
+
+    def dtoh_and_synchronize(self, d, point: str, tokens_per_expert):
+        raise NotImplementedError
+
+    def dispatch(self, d, x_RH, probs_R):
+        raise NotImplementedError
+
+    def dispatch_postprocess(self, d, x_RH, probs_R):
+        """Received rows -> (rows grouped by local expert, the experts' counts, probs)."""
+        raise NotImplementedError
+
+    def combine_preprocess(self, d, y_RH):
+        raise NotImplementedError
+
+    def combine(self, d, y_RH, async_finish: bool, allocate_on_comm_stream: bool):
+        raise NotImplementedError
+
+
+class NcclAllToAll(AlltoAllExchange):
+    """megatron-core's exchange, run by its own methods."""
+
+    name = "NCCL all-to-all"
+    split_sizes_to_host = True
+    counts_to_host = True
+    lands_grouped_by_local_expert = False
+    carries_padded_chunks = True
+
+    def preprocess(self, d, routing_map_TE):
+        return _ALLTOALL.preprocess(d, routing_map_TE)
+
+    def update_sync_point(self, d, point):
+        _ALLTOALL._maybe_update_cuda_sync_point(d, point)
+
+    def dtoh_and_synchronize(self, d, point, tokens_per_expert):
+        return _ALLTOALL._maybe_dtoh_and_synchronize(d, point, tokens_per_expert)
+
+    def dispatch(self, d, x_RH, probs_R):
+        return _ALLTOALL.token_dispatch(d, x_RH, probs_R)
+
+    def dispatch_postprocess(self, d, x_RH, probs_R):
+        return _ALLTOALL.dispatch_postprocess(d, x_RH, probs_R)
+
+    def combine_preprocess(self, d, y_RH):
+        return _ALLTOALL.combine_preprocess(d, y_RH)
+
+    def combine(self, d, y_RH, async_finish, allocate_on_comm_stream):
+        return _ALLTOALL.token_combine(d, y_RH, async_finish, allocate_on_comm_stream)
+
+
+class NcclAllToAllDeviceCounts(NcclAllToAll):
+    """F8: ``tokens_per_expert`` stays on the GPU; the split sizes still go to the host."""
+
+    counts_to_host = False
+
+    def update_sync_point(self, d, point):
+        # "before_finish" exists only to read tokens_per_expert on the host.
+        if point != "before_finish":
+            super().update_sync_point(d, point)
+
+    def dtoh_and_synchronize(self, d, point, tokens_per_expert):
+        super().dtoh_and_synchronize(d, point, None)  # split sizes still go to the host
+        return tokens_per_expert
+
+
+def _hand_out_grouped(d, x_RH, probs_R):
+    """Received rows already grouped by local expert: the experts take them as they are."""
+    if d.shared_experts is not None:
+        d.shared_experts.linear_fc1_forward_and_act(x_RH)
+    tokens_per_expert, d.tokens_per_expert = d.tokens_per_expert, None
+    return x_RH, tokens_per_expert, probs_R
+
+
+class NcclAllToAllOneSource(NcclAllToAllDeviceCounts):
+    """F8 with one source rank and no TP: sorting chunks by local expert keeps them in place,
+    yet the stock path copies all permuted tokens through the sort (both ways)."""
+
+    lands_grouped_by_local_expert = True
+
+    def dispatch_postprocess(self, d, x_RH, probs_R):
+        return _hand_out_grouped(d, x_RH, probs_R)
+
+    def combine_preprocess(self, d, y_RH):
+        return y_RH
+
+
+class SymmetricMemoryAllToAll(AlltoAllExchange):
+    """F12: rows through peer-mapped buffers (``symmetric_exchange.SymmetricExchange``); the
+    split sizes never leave the GPU and rows land grouped by local expert."""
+
+    name = "symmetric memory"
+    split_sizes_to_host = False
+    counts_to_host = False
+    lands_grouped_by_local_expert = True
+    carries_padded_chunks = False
+
+    def __init__(self, symmetric):
+        self.symmetric = symmetric
+
+    def preprocess(self, d, routing_map_TE):
+        # Dropless (exchange_config_errors): tokens x top-k rows, known on the host.
+        d.num_out_tokens = routing_map_TE.size(0) * d.config.moe_router_topk
+        d.exchange_plan = self.symmetric.plan(routing_map_TE.sum(dim=0), routing_map_TE.size(0))
+        return d.exchange_plan.tokens_per_local_expert
+
+    def update_sync_point(self, d, point):
+        pass  # nothing goes to the host
+
+    def dtoh_and_synchronize(self, d, point, tokens_per_expert):
+        return tokens_per_expert
+
+    def dispatch(self, d, x_RH, probs_R):
+        return self.symmetric.dispatch(d.exchange_plan, x_RH, probs_R)
+
+    def dispatch_postprocess(self, d, x_RH, probs_R):
+        return _hand_out_grouped(d, x_RH, probs_R)
+
+    def combine_preprocess(self, d, y_RH):
+        return y_RH
+
+    def combine(self, d, y_RH, async_finish, allocate_on_comm_stream):
+        return self.symmetric.combine(d.exchange_plan, y_RH)
+
+
+def alltoall_exchange(symmetric, counts_on_device: bool, ep_size: int, tp_size: int) -> AlltoAllExchange:
+    """The alltoall dispatcher's exchange: the symmetric one where the dispatcher got one
+    (``symmetric_exchange_for``), else NCCL's, F8 keeping the counts on the device."""
+    if symmetric is not None:
+        return SymmetricMemoryAllToAll(symmetric)
+    if not counts_on_device:
+        return NcclAllToAll()
+    if ep_size == 1 and tp_size == 1:
+        return NcclAllToAllOneSource()
+    return NcclAllToAllDeviceCounts()
+
+
+class AllGather:
+    """The allgather dispatcher's exchange: megatron-core's gather over TP x EP and its
+    reduce-scatter back (nothing moves at one rank)."""
+
+    name = "all-gather"
+    split_sizes_to_host = False  # equal chunks per rank
+
+    def dispatch(self, d, x_TH, probs_TE):
+        return _ALLGATHER.token_dispatch(d, x_TH, probs_TE)
+
+    def combine(self, d, y_TH):
+        return _ALLGATHER.token_combine(d, y_TH)
