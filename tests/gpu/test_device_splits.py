@@ -92,7 +92,10 @@ def test_state_dicts_load_both_ways(single_gpu):
         assert set(layer.state_dict()) == set(stock_layer.state_dict())
         layer.load_state_dict(stock_layer.state_dict())
         backend = layer.experts.backend
-        assert f8._still_in_block(backend._blocks[layer.experts.linear_fc1, "weight"], backend._params(layer.experts.linear_fc1))
+        fc1 = layer.experts.linear_fc1  # the load landed where the backend reads: the per-expert parameters
+        stock_fc1 = [stock_layer.experts.linear_fc1.get_parameter(f"weight{i}") for i in range(fc1.num_gemms)]
+        assert all(torch.equal(p, w) for p, w in zip(backend._params(fc1), stock_fc1))
+        assert torch.equal(backend._grouped(fc1).detach(), torch.stack(stock_fc1).detach())
         hidden = torch.randn(512, 1, 256, device="cuda", dtype=torch.bfloat16)
         patched_out, _ = forward_backward(layer, hidden)
         for param in layer.parameters():  # move away from the stock weights, then back

@@ -105,44 +105,50 @@ def make_weights(num, out, inp, seed=0):
     return [torch.nn.Parameter(torch.randn(out, inp, generator=generator)) for _ in range(num)]
 
 
-def test_block_keeps_parameter_identity_and_aliases_storage():
-    weights = make_weights(4, 6, 5)
-    ids, values = [id(w) for w in weights], [w.detach().clone() for w in weights]
-    block = f8.gather_into_one_block(weights)
-    assert [id(w) for w in weights] == ids
-    assert all(torch.equal(w, v) for w, v in zip(weights, values))
-    weights[2].data.mul_(2)  # an optimizer's in-place update reaches the block
-    assert torch.equal(block[2], values[2] * 2)
-    view = f8.grouped_weight(block, weights)
-    assert view.data_ptr() == block.data_ptr()  # no copy
-
-
-def test_block_view_routes_gradients_to_each_expert():
-    weights = make_weights(3, 4, 2)
-    block = f8.gather_into_one_block(weights)
-    upstream = torch.randn(3, 4, 2)
-    (f8.grouped_weight(block, weights) * upstream).sum().backward()
-    for i, w in enumerate(weights):
+def test_per_expert_weights_keep_their_storage_and_are_stacked_each_forward():
+    """The backend never re-points a parameter's storage: each forward stacks the per-expert
+    weights (the values they hold now) into one [E, out, in] tensor, gradients go back to each."""
+    owner = experts_shell(cfg())
+    fc1 = owner.linear_fc1
+    storage = [(p.data_ptr(), p.stride()) for p in fc1.parameters()]
+    backend = f8.GroupedMMBackend(owner)
+    assert [(p.data_ptr(), p.stride()) for p in fc1.parameters()] == storage
+    with torch.no_grad():
+        fc1.weight2.mul_(2)  # an optimizer's in-place update: the next forward reads it
+    w_EOI = backend._grouped(fc1)
+    assert torch.equal(w_EOI, torch.stack([p.detach() for p in fc1.parameters()]))
+    upstream = torch.randn(w_EOI.shape, dtype=w_EOI.dtype)
+    (w_EOI * upstream).sum().backward()
+    for i, w in enumerate(fc1.parameters()):
         assert torch.equal(w.grad, upstream[i])
 
 
-def test_moved_parameter_falls_back_to_a_stacked_copy(caplog, monkeypatch):
+@pytest.mark.parametrize("grouped_weight", [False, True])
+def test_per_expert_weights_warn_once_that_each_forward_copies_them(caplog, monkeypatch, grouped_weight):
     from megatron.moe_patches import fields
 
     monkeypatch.setattr(fields, "_said", set())
-    weights = make_weights(3, 4, 2)
-    block = f8.gather_into_one_block(weights)
-    weights[1].data = weights[1].data.clone()  # e.g. DDP re-homed it
-    weights[1].data.add_(1)
     with caplog.at_level(logging.WARNING, logger=f8.__name__):
-        grouped = f8.grouped_weight(block, weights)
-        f8.grouped_weight(block, weights)
+        for _ in range(2):  # two layers, one line
+            f8.GroupedMMBackend(experts_shell(cfg(moe_single_grouped_weight=grouped_weight)))
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "--moe-single-grouped-weight" in warned[0]  # said once, with the fix
-    assert grouped.data_ptr() != block.data_ptr()
-    assert torch.equal(grouped[1], weights[1].detach())
-    grouped.sum().backward()
-    assert all(torch.equal(w.grad, torch.ones_like(w)) for w in weights)
+    if grouped_weight:
+        assert warned == []  # one [E, out, in] parameter per FC: no copy, nothing to say
+    else:
+        assert len(warned) == 1 and "every forward" in warned[0] and "--moe-single-grouped-weight" in warned[0]
+
+
+def test_no_parameter_storage_is_re_pointed_anywhere_in_the_package():
+    """``param.data = ...`` swaps a parameter's storage behind DDP's and the optimizers' backs."""
+    import pathlib
+    import re
+
+    import megatron.moe_patches as package
+
+    root = pathlib.Path(package.__file__).parent
+    found = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\.data\s*=(?!=)", line)]
+    assert found == []
 
 
 def test_grouped_mm_mlp_matches_per_expert_loop():
@@ -281,8 +287,8 @@ def test_grouped_mm_backend_holds_biases_in_the_asked_layout(grouped_bias):
     assert ("bias" in dict(fc2.named_parameters())) is grouped_bias  # weights stay per expert
     assert "weight0" in dict(fc2.named_parameters())
     assert torch.equal(backend._grouped(fc2, "bias"), torch.stack(biases))
-    if not grouped_bias:  # per-expert biases live in one block: no copy per step
-        assert backend._grouped(fc2, "bias").data_ptr() == backend._blocks[fc2, "bias"].data_ptr()
+    if grouped_bias:  # the grouped parameter itself: no copy per step
+        assert backend._grouped(fc2, "bias") is fc2.bias
 
 
 def test_te_backend_warns_once_when_device_splits_were_asked_for(caplog, monkeypatch):

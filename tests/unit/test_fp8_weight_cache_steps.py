@@ -181,3 +181,18 @@ def test_a_skipped_step_leaves_the_copies(fresh_process):
     assert optimizer.step() == (False, None, None)
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [1, 1]
+
+
+def test_a_weight_written_in_place_refreshes_its_own_fc_only(fresh_process):
+    """A write that the parameter's counter sees (a checkpoint load's copy_) makes that FC's
+    copies stale and leaves the untouched FC's copies alone: no step, no requantization."""
+    owner, backend = fp8_backend()
+    backend.refresh_weight_caches()
+    caches = [backend._caches[owner.linear_fc1], backend._caches[owner.linear_fc2]]
+    untouched = caches[1].w8_EOI.clone()
+    with torch.no_grad():
+        owner.linear_fc1.weight2.mul_(-2)
+    backend.refresh_weight_caches()
+    assert [c.refreshes for c in caches] == [2, 1]
+    assert_cache_holds(caches[0], current_fp8(backend, owner.linear_fc1))
+    assert torch.equal(caches[1].w8_EOI.view(torch.uint8), untouched.view(torch.uint8))

@@ -39,8 +39,10 @@ def test_parameters_interleaved_in_memory_checkpoints_concatenated():
     module = TwoExperts()
     original = {k: v.clone() for k, v in module.state_dict().items()}
     params = dict(module.named_parameters())
+    storage = {n: p.data_ptr() for n, p in params.items()}
     interleave_parameters(module, 2)
     assert all(p is params[n] for n, p in module.named_parameters())  # same Parameter objects
+    assert {n: p.data_ptr() for n, p in module.named_parameters()} == storage  # reordered in place
     assert torch.equal(module.weight0.detach(), to_interleaved(original["weight0"], 2))
     saved = module.state_dict()
     assert all(torch.equal(saved[k], original[k]) for k in original)

@@ -1,13 +1,16 @@
 """The TE expert backend hands the device-resident counts to TE's GroupedLinear as
 ``m_splits_tensor`` where TE takes it (ROCm's TE), on CPU with stand-in classes: a TE
-GroupedLinear and megatron-core's wrapper around it, run by megatron-core's own
-TEGroupedMLP.forward."""
+GroupedLinear and megatron-core's wrapper around it, built from the classes the backend puts
+in the experts' submodules (``expert_submodules``, as PatchedTEGroupedMLP does before the stock
+constructor) and run by megatron-core's own TEGroupedMLP.forward."""
 
 import logging
 
 import pytest
 import torch
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts import backend as eb
@@ -85,7 +88,8 @@ def te_with(monkeypatch):
 
 
 def experts_module(linear_class, **config_overrides):
-    """What megatron-core's TEGroupedMLP.forward reads of its module, on CPU."""
+    """What megatron-core's TEGroupedMLP.forward reads of its module, on CPU, with FC1 and FC2
+    built from the submodules the TE backend chose (what the stock constructor builds)."""
     config = PatchedTransformerConfig(**{
         **dict(
             num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=EXPERTS,
@@ -97,8 +101,9 @@ def experts_module(linear_class, **config_overrides):
     })
     experts = torch.nn.Module()
     experts.config, experts.num_local_experts = config, EXPERTS
-    experts.linear_fc1 = linear_class(EXPERTS, HIDDEN, 2 * FFN)
-    experts.linear_fc2 = linear_class(EXPERTS, FFN, HIDDEN)
+    submodules = eb.TEBackend.expert_submodules(config, MLPSubmodules(linear_fc1=linear_class, linear_fc2=linear_class))
+    experts.linear_fc1 = submodules.linear_fc1(EXPERTS, HIDDEN, 2 * FFN)
+    experts.linear_fc2 = submodules.linear_fc2(EXPERTS, FFN, HIDDEN)
     experts.activation_func = config.activation_func
     experts.offload_expert_fc1 = experts.offload_moe_act = experts.activation_recompute = False
     experts._apply_bias = TEGroupedMLP._apply_bias
@@ -196,19 +201,102 @@ def test_flag_off_changes_nothing(te_with, caplog):
     assert experts.linear_fc1.calls[0]["m_splits_tensor"] is None
 
 
-def test_splits_padded_by_fp8_padding_carry_no_device_counts():
-    # Fp8Padding builds a new plain list: padded splits never travel with unpadded counts.
-    splits = eb._SplitsWithDeviceCounts([1, 2], torch.tensor([1, 2], dtype=torch.int32))
-    padded = [(n + 15) // 16 * 16 for n in splits]
-    assert getattr(padded, "on_device", None) is None
-    assert eb._CountsForStockForward(splits).tolist() is splits
+class PadToFour(torch.nn.Module):
+    """Fp8Padding in miniature: each expert's rows padded to a multiple of 4 (zero rows), the
+    split list rebuilt."""
+
+    def forward(self, x, splits):
+        padded = [(n + 3) // 4 * 4 for n in splits]
+        parts = [torch.cat([r, r.new_zeros(p - n, *r.shape[1:])]) for r, n, p in zip(torch.split(x, splits), splits, padded)]
+        return torch.cat(parts), padded
 
 
-def test_a_module_gains_the_step_once(te_with):
+class UnpadFromFour(torch.nn.Module):
+    def forward(self, x, splits):
+        padded = [(n + 3) // 4 * 4 for n in splits]
+        return torch.cat([r[:n] for r, n in zip(torch.split(x, padded), splits)])
+
+
+@pytest.mark.parametrize("counts, passed", [([2, 0, 3], False), ([4, 0, 8], True)])
+def test_padded_splits_never_meet_unpadded_device_counts(te_with, counts, passed):
+    """Under FP8 the stock forward pads the splits before FC1 and FC2: the device counts reach
+    TE only where they equal the splits TE gets (already aligned), never the unpadded ones."""
+    experts = experts_module(te_with(takes_device_splits=True))
+    experts.config.fp8 = "e4m3"  # the stock forward pads, as with TE's Fp8Padding
+    experts.quantization_padding, experts.quantization_unpadding = PadToFour(), UnpadFromFour()
+    backend = eb.TEBackend(experts)
+    run(backend, experts, torch.tensor(counts, dtype=torch.int32).as_subclass(OnDevice))
+    for linear in (experts.linear_fc1, experts.linear_fc2):
+        (call,) = linear.calls
+        assert list(call["m_splits"]) == [(n + 3) // 4 * 4 for n in counts]
+        given = call["m_splits_tensor"]
+        assert (given is not None) == passed
+        if passed:
+            assert given.tolist() == list(call["m_splits"])
+
+
+def test_handed_counts_serve_one_forward_only(te_with):
+    """Counts handed for one forward are gone after it: a later forward that was handed none
+    (e.g. the module called on its own) gets no stale counts."""
+    experts = experts_module(te_with(takes_device_splits=True))
+    fc1 = experts.linear_fc1
+    fc1.hand_device_splits([1, 2, 0], torch.tensor([1, 2, 0], dtype=torch.int32))
+    fc1(torch.randn(3, HIDDEN), [1, 2, 0])
+    fc1(torch.randn(3, HIDDEN), [1, 2, 0])
+    assert fc1.calls[0]["m_splits_tensor"] is not None and fc1.calls[1]["m_splits_tensor"] is None
+
+
+def test_the_spec_chooses_the_classes_and_live_modules_keep_theirs(te_with):
+    """The backend picks FC1's and FC2's classes in the experts' submodules (a class or a
+    ModuleSpec), once per class; it never changes the class of a built module."""
+    linear_class = te_with(takes_device_splits=True)
+    config = experts_module(linear_class).config
+    submodules = MLPSubmodules(linear_fc1=ModuleSpec(module=linear_class, params={"x": 1}), linear_fc2=linear_class)
+    chosen = eb.TEBackend.expert_submodules(config, submodules)
+    assert chosen.linear_fc1.params == {"x": 1} and submodules.linear_fc1.module is linear_class  # a copy
+    assert chosen.linear_fc1.module is chosen.linear_fc2  # one subclass per stock class
+    assert issubclass(chosen.linear_fc2, linear_class) and chosen.linear_fc2.__name__ == linear_class.__name__
+    assert eb.TEBackend.expert_submodules(config, submodules).linear_fc2 is chosen.linear_fc2
+    experts = experts_module(linear_class)
+    built = type(experts.linear_fc1)
+    eb.TEBackend(experts)  # a rebuilt backend
+    assert type(experts.linear_fc1) is built
+
+    flag_off = experts_module(linear_class, moe_device_tokens_per_expert=False).config
+    assert eb.TEBackend.expert_submodules(flag_off, submodules) is submodules
+    other = MLPSubmodules(linear_fc1=torch.nn.Linear, linear_fc2=linear_class)  # not TE's GroupedLinear
+    assert eb.TEBackend.expert_submodules(config, other) is other
+
+
+def test_linears_built_without_the_chosen_classes_get_no_device_counts(te_with, caplog):
+    """Experts whose FCs were not built from the backend's submodules (another spec) keep the
+    host path, and the one warning says TE gets no device splits."""
     linear_class = te_with(takes_device_splits=True)
     experts = experts_module(linear_class)
-    eb.TEBackend(experts)
-    once = type(experts.linear_fc1)
-    eb.TEBackend(experts)  # the same module seen again (a rebuilt backend)
-    assert type(experts.linear_fc1) is once
-    assert isinstance(experts.linear_fc1, linear_class) and once.__name__ == linear_class.__name__
+    experts.linear_fc1 = linear_class(EXPERTS, HIDDEN, 2 * FFN)
+    with caplog.at_level(logging.INFO, logger=eb.__name__):
+        backend = eb.TEBackend(experts)
+    assert not backend.passes_device_splits
+    assert "takes no device splits" in caplog.records[-1].getMessage()
+    run(backend, experts, torch.tensor([1, 2, 0]))
+    assert experts.linear_fc2.calls[0]["m_splits_tensor"] is None
+
+
+def test_patched_experts_build_their_fcs_from_the_backends_submodules(te_with, monkeypatch):
+    """PatchedTEGroupedMLP hands megatron-core's constructor the submodules its backend chose:
+    the stock constructor (here a stand-in that builds FC1 and FC2 from them) makes the
+    subclasses, and the backend finds them."""
+    from megatron.moe_patches.experts.grouped_mlp import PatchedTEGroupedMLP
+
+    def stock_init(self, num_local_experts, config, submodules, pg_collection=None):
+        torch.nn.Module.__init__(self)
+        self.config, self.num_local_experts = config, num_local_experts
+        self.linear_fc1 = submodules.linear_fc1(num_local_experts, HIDDEN, 2 * FFN)
+        self.linear_fc2 = submodules.linear_fc2(num_local_experts, FFN, HIDDEN)
+
+    linear_class = te_with(takes_device_splits=True)
+    monkeypatch.setattr(TEGroupedMLP, "__init__", stock_init)
+    config = experts_module(linear_class).config
+    experts = PatchedTEGroupedMLP(EXPERTS, config, MLPSubmodules(linear_fc1=linear_class, linear_fc2=linear_class))
+    assert experts.backend.name == "te" and experts.backend.passes_device_splits
+    assert type(experts.linear_fc1) is eb._with_device_splits(linear_class, cap.te_attr("GroupedLinear"))

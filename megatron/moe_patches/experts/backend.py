@@ -12,7 +12,9 @@ Backends: ``te`` (here: megatron-core's own TE GroupedLinear path), ``grouped_mm
 With ``moe_device_tokens_per_expert`` and a Transformer Engine whose module GroupedLinear
 takes ``m_splits_tensor`` (ROCm's TE), the ``te`` backend also hands the GPU-resident counts
 to FC1's and FC2's GroupedLinear, so TE's grouped GEMM reads them on the device instead of
-uploading the host list again for every GEMM. The host list is still made, once per layer:
+uploading the host list again for every GEMM: the experts' spec builds FC1 and FC2 as
+subclasses that take the counts (``expert_submodules``), and the backend hands them the counts
+right before megatron-core's forward runs. The host list is still made, once per layer:
 that GroupedLinear reads it on the host too (output rows, kernel launch grid, and the
 per-expert split outside its Triton path), so a placeholder list would give wrong results.
 
@@ -20,12 +22,14 @@ Tensor names carry their shape: ``x_TH`` is [tokens, hidden], ``w_EOI`` is
 [experts, out, in], ``tokens_per_expert_E`` is [experts].
 """
 
+import dataclasses
 import functools
 import logging
 from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import log_once, patch_option
@@ -95,6 +99,12 @@ class ExpertBackend:
     # never this name).
     stock = TEGroupedMLP
 
+    @classmethod
+    def expert_submodules(cls, config, submodules):
+        """The experts' ``MLPSubmodules`` this backend builds on: called before megatron-core's
+        TEGroupedMLP builds linear_fc1/linear_fc2 from them; the stock ones by default."""
+        return submodules
+
     def __init__(self, experts):
         """Prepare ``experts`` for this backend (parameter layouts); called once."""
 
@@ -109,43 +119,26 @@ class ExpertBackend:
         return sharded
 
 
-class _SplitsWithDeviceCounts(list):
-    """The host split sizes, carrying the same counts as a GPU tensor (``on_device``) to
-    where megatron-core's TEGroupedLinear hands the list to TE's GroupedLinear."""
-
-    __slots__ = ("on_device",)
-
-    def __init__(self, host_counts, on_device: torch.Tensor):
-        super().__init__(host_counts)
-        self.on_device = on_device
-
-
-class _CountsForStockForward:
-    """What the TE backend passes stock ``TEGroupedMLP.forward`` as tokens_per_expert: the
-    stock forward's first step, ``.tolist()``, then yields the list that carries the device
-    counts on to linear_fc1 and linear_fc2. A list that padding rebuilds (FP8's
-    Fp8Padding) carries none, so padded splits never meet unpadded device counts."""
-
-    __slots__ = ("splits",)
-
-    def __init__(self, splits: _SplitsWithDeviceCounts):
-        self.splits = splits
-
-    def tolist(self):
-        return self.splits
-
-
 @functools.lru_cache(maxsize=None)
 def _device_splits_step(te_grouped_linear: type) -> type:
     """A class that sits between megatron-core's TEGroupedLinear and TE's GroupedLinear and
-    adds ``m_splits_tensor`` when the splits carry device counts: megatron-core's wrapper
-    calls ``super().forward(x, m_splits, is_first_microbatch=...)`` and passes nothing else."""
+    adds ``m_splits_tensor`` when the TE backend handed it device counts for this forward:
+    megatron-core's wrapper calls ``super().forward(x, m_splits, is_first_microbatch=...)``
+    and passes nothing else."""
 
     class PassesDeviceSplits(te_grouped_linear):
+        _handed_splits = None  # (host splits, the same counts on the GPU), for one forward
+
+        def hand_device_splits(self, host_splits: list, counts_E: torch.Tensor) -> None:
+            """Counts for the next forward only: it takes them, whether it uses them or not."""
+            self._handed_splits = (host_splits, counts_E)
+
         def forward(self, inp, m_splits, *args, **kwargs):
-            on_device = getattr(m_splits, "on_device", None)
-            if on_device is not None:
-                kwargs["m_splits_tensor"] = on_device
+            handed, self._handed_splits = self._handed_splits, None
+            # Only counts equal to the splits TE gets: padded splits (FP8's Fp8Padding) never
+            # meet unpadded device counts.
+            if handed is not None and list(m_splits) == handed[0]:
+                kwargs["m_splits_tensor"] = handed[1]
             return super().forward(inp, m_splits, *args, **kwargs)
 
     return PassesDeviceSplits
@@ -159,12 +152,19 @@ def _with_device_splits(linear_class: type, te_grouped_linear: type) -> type:
     return type(linear_class.__name__, (linear_class, step), {"__module__": linear_class.__module__})
 
 
-def pass_device_splits(linear: torch.nn.Module, te_grouped_linear: type) -> None:
-    """Make ``linear`` (a TE GroupedLinear through megatron-core's wrapper) hand TE the
-    device counts that its splits carry. The module object, its parameters and its state
-    dict stay the same; only its class gains the step."""
-    if not isinstance(linear, _device_splits_step(te_grouped_linear)):
-        linear.__class__ = _with_device_splits(type(linear), te_grouped_linear)
+def _device_splits_te(config) -> Optional[type]:
+    """TE's GroupedLinear when ``config`` asks for device counts and it takes them, else None."""
+    if not patch_option(config, "moe_device_tokens_per_expert") or not cap.te_grouped_linear_device_splits():
+        return None
+    return cap.te_attr("GroupedLinear")
+
+
+def _spec_class(spec):
+    return spec.module if isinstance(spec, ModuleSpec) else spec
+
+
+def _with_spec_class(spec, module_class: type):
+    return dataclasses.replace(spec, module=module_class) if isinstance(spec, ModuleSpec) else module_class
 
 
 class TEBackend(ExpertBackend):
@@ -173,16 +173,28 @@ class TEBackend(ExpertBackend):
 
     name = "te"
 
+    @classmethod
+    def expert_submodules(cls, config, submodules):
+        """With device splits: FC1's and FC2's classes gain the step that hands TE the counts
+        (subclasses, built by the stock constructor like any spec class)."""
+        te_grouped_linear = _device_splits_te(config)
+        specs = (submodules.linear_fc1, submodules.linear_fc2)
+        if te_grouped_linear is None or not all(
+            isinstance(_spec_class(s), type) and issubclass(_spec_class(s), te_grouped_linear) for s in specs
+        ):
+            return submodules
+        fc1, fc2 = (_with_spec_class(s, _with_device_splits(_spec_class(s), te_grouped_linear)) for s in specs)
+        return dataclasses.replace(submodules, linear_fc1=fc1, linear_fc2=fc2)
+
     def __init__(self, experts):
         self.passes_device_splits = False
         if not patch_option(experts.config, "moe_device_tokens_per_expert"):
             return
-        te_grouped_linear = cap.te_attr("GroupedLinear") if cap.te_grouped_linear_device_splits() else None
+        te_grouped_linear = _device_splits_te(experts.config)
         if te_grouped_linear is not None and all(
-            isinstance(linear, te_grouped_linear) for linear in (experts.linear_fc1, experts.linear_fc2)
+            isinstance(linear, _device_splits_step(te_grouped_linear))
+            for linear in (experts.linear_fc1, experts.linear_fc2)
         ):
-            for linear in (experts.linear_fc1, experts.linear_fc2):
-                pass_device_splits(linear, te_grouped_linear)
             self.passes_device_splits = True
             te_splits = (
                 "takes m_splits_tensor and gets the counts on the GPU, but still reads the list "
@@ -203,8 +215,9 @@ class TEBackend(ExpertBackend):
         host_E = host_tokens_per_expert(tokens_per_expert_E)
         # Counts the dispatcher left on the host (allgather) stay host-only: TE's kernels
         # want the counts on the tokens' device.
-        if not self.passes_device_splits or tokens_per_expert_E.device != x_TH.device:
-            return self.stock.forward(experts, x_TH, host_E, probs_T)
-        # int32: the grouped-GEMM kernels behind m_splits_tensor read int32 group sizes.
-        splits = _SplitsWithDeviceCounts(host_E.tolist(), tokens_per_expert_E.to(torch.int32))
-        return self.stock.forward(experts, x_TH, _CountsForStockForward(splits), probs_T)
+        if self.passes_device_splits and tokens_per_expert_E.device == x_TH.device:
+            # int32: the grouped-GEMM kernels behind m_splits_tensor read int32 group sizes.
+            host_splits, counts_E = host_E.tolist(), tokens_per_expert_E.to(torch.int32)
+            for linear in (experts.linear_fc1, experts.linear_fc2):
+                linear.hand_device_splits(host_splits, counts_E)
+        return self.stock.forward(experts, x_TH, host_E, probs_T)

@@ -63,9 +63,13 @@ def _count_step(optimizer, args, kwargs):
 def count_optimizer_steps():
     """Register (once per process) the global optimizer step hook the weight caches key on.
 
-    Megatron's optimizers step a torch optimizer inside (its ``step`` fires the hook) and
-    then copy main params into the model params through ``.data``, which the parameters'
-    version counters do not see: the step count does.
+    Megatron's optimizers step a torch optimizer inside (its ``step`` fires the hook, a public
+    torch API) and then write the model params where no version counter sees it: the Float16
+    optimizer copies main params in through ``.data`` (a fresh version counter), the distributed
+    optimizer into DDP's buffer, which the params alias since DDP assigned their ``.data`` (their
+    counters are not the buffer's). So a key of data pointer and version alone would keep the
+    first step's FP8 copies (tests/unit and tests/gpu test_fp8_weight_cache_steps.py check the
+    premise); the step count is the one signal the step gives.
     """
     global _step_hook
     if _step_hook is None:

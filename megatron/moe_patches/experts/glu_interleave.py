@@ -59,10 +59,10 @@ def _expert_keys(state_dict, prefix: str):
 def interleave_parameters(linear_fc1, size: int) -> None:
     """Put FC1's per-expert weights and biases into the interleaved layout, in place, and
     make its state dicts speak the concatenated layout (save and load)."""
-    with torch.no_grad():
+    with torch.no_grad():  # in place: the parameters keep their storage (and DDP's buffer, if any)
         for name, param in linear_fc1.named_parameters(recurse=False):
             if name.rstrip("0123456789") in ("weight", "bias"):
-                param.data = to_interleaved(param.data, size)
+                param.copy_(to_interleaved(param.detach(), size))
 
     def save_concatenated(module, state_dict, prefix, local_metadata):
         for key in _expert_keys(state_dict, prefix):

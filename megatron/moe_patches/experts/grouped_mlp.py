@@ -38,6 +38,9 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
     """TE grouped experts whose compute backend and padding are fixed at construction."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        backend_class = select_backend(config)
+        # The backend picks FC1's and FC2's classes (TE's device splits) before stock builds them.
+        submodules = backend_class.expert_submodules(config, submodules)
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
         refusal = single_grouped_refusal(config)
         if refusal is not None:
@@ -45,7 +48,7 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
         self.padding_plan = padding_plan(config)
         if hasattr(self, "quantization_padding"):  # FP8/FP4: stock built TE's padding modules
             self._fit_quantization_padding(num_local_experts)
-        self.backend = select_backend(config)(self)
+        self.backend = backend_class(self)
 
     def _fit_quantization_padding(self, num_local_experts):
         if not self.padding_plan.experts_pad:

@@ -12,8 +12,9 @@ With ``moe_device_tokens_per_expert`` (or ``NVTE_USE_GROUPED_GEMM_TRITON=1``):
   (no host sync), and megatron-core's fused router-prob-weighted SwiGLU / quick-GEGLU
   between them; expert biases as the TE experts apply them (FC2's scaled by the router
   prob). bf16 only. It reads the experts' existing ``linear_fc{1,2}.weight{i}`` / ``bias{i}``
-  parameters, so state dicts stay those of stock TE experts; with
-  ``moe_single_grouped_weight`` / ``_bias`` it holds one [E, ...] parameter per FC instead (F5).
+  parameters, so state dicts stay those of stock TE experts, and stacks them into one
+  [E, out, in] copy every forward (one warning says so); with ``moe_single_grouped_weight`` /
+  ``_bias`` it holds one [E, ...] parameter per FC instead and reads it without a copy (F5).
   Elsewhere the TE backend copies the counts to the host once.
 
 The allgather dispatcher keeps its host counts. Upstream: ROCm/Megatron-LM (seed 004,
@@ -23,7 +24,7 @@ te_grouped_linear_device_splits`` reports it.
 """
 
 import logging
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -35,57 +36,11 @@ from megatron.moe_patches.kernels.weighted_glu import GLUSpec, glu_spec, weighte
 
 logger = logging.getLogger(__name__)
 
-# --- grouped weights without copies ------------------------------------------------------
-
-
-def gather_into_one_block(weights: List[torch.nn.Parameter]) -> torch.Tensor:
-    """Move per-expert parameters into one contiguous [E, out, in] block, in place.
-
-    The Parameter objects stay (state dicts, optimizers, hooks see the same ones); only
-    their storage becomes slices of the returned block, so the grouped GEMM can read
-    all experts without stacking them each step.
-    """
-    block_EOI = torch.empty((len(weights), *weights[0].shape), dtype=weights[0].dtype, device=weights[0].device)
-    for i, weight in enumerate(weights):
-        block_EOI[i].copy_(weight.detach())
-        weight.data = block_EOI[i]
-    return block_EOI
-
-
-def _still_in_block(block_EOI: torch.Tensor, weights) -> bool:
-    # DDP or a checkpoint load may have moved a parameter's storage since.
-    return all(w.data_ptr() == block_EOI[i].data_ptr() and w.stride() == block_EOI[i].stride()
-               for i, w in enumerate(weights))
-
-
-class _BlockView(torch.autograd.Function):
-    """The [E, out, in] block as one tensor whose gradient goes to the per-expert params."""
-
-    @staticmethod
-    def forward(ctx, block_EOI, *weights):
-        return block_EOI.view(block_EOI.shape)
-
-    @staticmethod
-    def backward(ctx, grad_EOI):
-        return (None, *grad_EOI.unbind(0))
-
-
 STACKED_WEIGHTS = (
-    "grouped_mm experts: the per-expert weights no longer live in one [E, out, in] block (moved into "
-    "DDP's parameter buffer or by a load), so every forward copies them into one; "
-    "--moe-single-grouped-weight holds one [E, out, in] parameter per FC and needs no copy."
+    "grouped_mm experts: the expert weights are per-expert parameters (linear_fc{1,2}.weight{i}), so "
+    "every forward stacks them into one [E, out, in] copy; --moe-single-grouped-weight holds one "
+    "[E, out, in] parameter per FC and needs no copy."
 )
-
-
-def grouped_weight(block_EOI: Optional[torch.Tensor], weights) -> torch.Tensor:
-    """All experts' weights as one differentiable [E, out, in] tensor: a view of the block
-    while the parameters still live in it, otherwise a stacked copy (said once: under
-    Megatron's distributed optimizer DDP keeps every parameter in its own buffer, in reverse
-    order, so the copy is made every forward)."""
-    if block_EOI is not None and _still_in_block(block_EOI, weights):
-        return _BlockView.apply(block_EOI, *weights)
-    log_once(logger, logging.WARNING, STACKED_WEIGHTS)
-    return torch.stack(list(weights))
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -203,12 +158,10 @@ class GroupedMMBackend(ExpertBackend):
             "weight": patch_option(config, "moe_single_grouped_weight"),
             "bias": patch_option(config, "moe_single_grouped_bias"),
         }
-        self._blocks = {}  # (linear, name) -> the [E, ...] block its per-expert parameters live in
         for linear in (experts.linear_fc1, experts.linear_fc2):
             make_grouped(linear, experts.num_local_experts, [n for n in held if grouped[n]])
-            for name in held:
-                if not grouped[name]:
-                    self._blocks[linear, name] = gather_into_one_block(self._params(linear, name))
+        if not grouped["weight"]:
+            log_once(logger, logging.WARNING, STACKED_WEIGHTS)
         self._biases = config.add_bias_linear
         self._glu = glu_spec(config)
 
@@ -221,9 +174,12 @@ class GroupedMMBackend(ExpertBackend):
         return [linear.weight] if is_grouped(linear, "weight") else self._params(linear)
 
     def _grouped(self, linear, name="weight"):
-        if is_grouped(linear, name):  # moe_single_grouped_weight/_bias: the parameter is the group
+        """All experts' ``name`` (weight or bias) of ``linear`` as one differentiable [E, ...]
+        tensor: the grouped parameter itself (moe_single_grouped_weight/_bias), else a stacked
+        copy of the per-expert parameters whose gradient flows back to each of them."""
+        if is_grouped(linear, name):
             return getattr(linear, name)
-        return grouped_weight(self._blocks[linear, name], self._params(linear, name))
+        return torch.stack(self._params(linear, name))
 
     def linear(self, linear, w_EOI, groups: RowGroups):
         """The FC ``linear`` as a function of its grouped input rows."""
