@@ -101,3 +101,42 @@ def test_only_the_installer_knows_what_is_applied():
             n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
         } | {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         assert "is_applied" not in used and "_applied" not in used, name
+
+
+# Subpackages are one room each: their modules import each other freely; between rooms and the
+# top-level modules, imports must run one way, in at most MAX_LAYERS layers from pretrain_gpt.py.
+ROOMS = ("experts", "dispatch", "kernels", "graphs", "checkpoint", "driver", "testing")
+MAX_LAYERS = 8
+
+
+def room_of(module: str) -> str:
+    parts = module[len(PREFIX) + 1:].split(".") if module != PREFIX else [""]
+    return parts[0] if parts[0] in ROOMS else module[len(PREFIX) + 1:] or "__init__"
+
+
+def room_graph():
+    graph = {}
+    for name, edges in import_graph().items():
+        room = room_of(name)
+        graph.setdefault(room, set()).update(room_of(e) for e in edges if room_of(e) != room)
+    entry = PACKAGE.parent.parent / "pretrain_gpt.py"
+    graph["pretrain_gpt.py"] = {room_of(m) for m in imports_of(entry, own_modules())}
+    return graph
+
+
+def layers_below(graph, room, seen=()):
+    return 1 + max((layers_below(graph, nxt, seen + (room,)) for nxt in graph[room]), default=0)
+
+
+def test_rooms_import_one_way():
+    cycle = find_cycle(room_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_layer_counter_counts_a_planted_chain():
+    assert layers_below({"a": {"b"}, "b": {"c"}, "c": set()}, "a") == 3
+
+
+def test_at_most_eight_layers_from_pretrain_gpt_down():
+    graph = room_graph()
+    assert layers_below(graph, "pretrain_gpt.py") <= MAX_LAYERS
