@@ -1,7 +1,7 @@
 """One patched class per stock token dispatcher, its options fixed at construction.
 
 - ``PatchedAllGatherTokenDispatcher``: ``pad_align`` (F1: permute+pad in one pass when
-  ``padding_plan`` gives the dispatcher the padding, else None and the stock path) and
+  the plan's padding gives the dispatcher the padding, else None and the stock path) and
   ``device_splits`` (F8 with one rank and no TP: every expert is local, so the permuted
   row count is tokens x top-k, known without the GPU, and the counts stay on the device).
 - ``PatchedAlltoAllTokenDispatcher``: ``pad_align`` (F1), ``device_splits`` (F8:
@@ -12,8 +12,8 @@
 - The flex dispatcher's patched part is its HybridEP manager (F2, ``hybridep_blocks``);
   F1 and F8 do not apply to it (HybridEP pads and counts on device itself).
 
-The options are read from the config once, in ``__init__``; the methods below only
-follow them.
+The options are read from the config's plan (``plan.plan_for``) once, in ``__init__``;
+the methods below only follow them.
 """
 
 import torch
@@ -23,28 +23,17 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
-from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.dispatch.permute_pad import align_up, permute_and_pad, unpermute_and_unpad
-from megatron.moe_patches.experts.padding import padding_plan
-from megatron.moe_patches.dispatch.symmetric_exchange import symmetric_exchange_for
+from megatron.moe_patches.dispatch.symmetric_exchange import SymmetricExchange
+from megatron.moe_patches.plan import SYMMETRIC_MEMORY, plan_for
 
 
-def allgather_keeps_counts_on_device(config, ep_size: int, tp_size: int) -> bool:
-    """F8 for the allgather dispatcher: only where the permuted row count is tokens x top-k."""
-    return (
-        bool(patch_option(config, "moe_device_tokens_per_expert"))
-        and _fused_pad_align(config) is None
-        and ep_size == 1
-        and tp_size == 1
-        and config.moe_permute_fusion
-        and config.moe_expert_capacity_factor is None
-        and not config.moe_router_padding_for_quantization
-    )
-
-
-def _fused_pad_align(config):
-    plan = padding_plan(config)
-    return plan.align if plan.dispatcher_pads else None
+def _exchange_plan(dispatcher):
+    """The config's plan for this dispatcher, made for the sizes its process groups have."""
+    plan = plan_for(dispatcher.config)
+    plan.check_parallel_sizes(dispatcher.ep_size, dispatcher.tp_size)
+    plan.log_choices()
+    return plan.exchange
 
 
 class PatchedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
@@ -53,12 +42,13 @@ class PatchedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pad_align = _fused_pad_align(self.config)
+        exchange = _exchange_plan(self)
+        self.pad_align = exchange.pad_align
         self.pad_offsets = None
         # The stock method sizes the permutation by a host copy of the counts and selects
         # the probs with masked_select (a sync); with all experts local and dropless routing
         # the size is tokens x top-k, and TE's fused permute carries the probs.
-        self.device_splits = allgather_keeps_counts_on_device(self.config, self.ep_size, self.tp_size)
+        self.device_splits = exchange.device_counts
 
     def dispatch_postprocess(self, hidden_states, probs):
         if self.device_splits:
@@ -119,17 +109,18 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pad_align = _fused_pad_align(self.config)
+        exchange = _exchange_plan(self)
+        self.pad_align = exchange.pad_align
         self.pad_offsets = None
-        self.device_splits = bool(patch_option(self.config, "moe_device_tokens_per_expert"))
-        self.exchange = symmetric_exchange_for(self.config, self.ep_group, self.ep_size)
+        self.device_splits = exchange.device_counts
+        self.exchange = None
+        if exchange.name == SYMMETRIC_MEMORY:
+            self.exchange = SymmetricExchange(self.ep_group, self.config.moe_router_topk)
         self.exchange_plan = None
         # One source rank, no TP: sorting chunks by local expert keeps them in place, yet
         # the stock path still copies all permuted tokens through the sort (both ways).
         # The symmetric exchange lands tokens sorted by local expert already.
-        self.skips_chunk_sort = (
-            self.device_splits and self.ep_size == 1 and self.tp_size == 1
-        ) or self.exchange is not None
+        self.skips_chunk_sort = exchange.skips_chunk_sort
 
     # --- F8: counts stay on the device --------------------------------------------------
 
@@ -176,7 +167,7 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         if self.exchange is not None:
-            # Dropless (exchange_config_errors): tokens x top-k rows, known on the host.
+            # Dropless (plan.exchange_config_errors): tokens x top-k rows, known on the host.
             self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
             self.exchange_plan = self.exchange.plan(routing_map.sum(dim=0), routing_map.size(0))
             return self.exchange_plan.tokens_per_local_expert
@@ -205,7 +196,7 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.pad_align is None:
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         # The stock method with permute replaced by permute+pad; router padding and
-        # capacity dropping never reach here (padding_plan excludes them).
+        # capacity dropping never reach here (the plan's padding excludes them).
         self.hidden_shape = hidden_states.shape
         self.probs = probs
         self.routing_map = routing_map
