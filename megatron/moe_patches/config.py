@@ -27,7 +27,7 @@ from megatron.moe_patches.fields import (
     uses_legacy_grouped_gemm,
 )
 from megatron.moe_patches.graphs.moe_layer_graphs import graphs_dropless_moe, scope_names
-from megatron.moe_patches.plan import plan_for
+from megatron.moe_patches.plan import expert_tp_size, plan_for
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def validate_moe_patch_config(config) -> None:
                 "num_moe_experts and gated_linear_unit=True (--swiglu), or unset it."
             )
         else:
-            etp = config.expert_tensor_parallel_size or 1
+            etp = expert_tp_size(config)
             ffn_per_partition = config.moe_ffn_hidden_size // etp
             if ffn_per_partition % interleave:
                 errors.append(
@@ -98,7 +98,7 @@ def validate_moe_patch_config(config) -> None:
             errors.append(
                 "use_transformer_engine_op_fuser=True needs transformer_impl='transformer_engine'."
             )
-        if is_moe and (config.expert_tensor_parallel_size or 1) > 1:
+        if is_moe and expert_tp_size(config) > 1:
             errors.append(
                 "use_transformer_engine_op_fuser=True does not support expert tensor parallelism: "
                 f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}; set "

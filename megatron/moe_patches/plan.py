@@ -92,11 +92,13 @@ def ep_size(config) -> int:
 
 
 def _owner_ahead(backend, config) -> Optional[str]:
-    """A backend ahead of ``backend`` that the config asks for by another field owns the experts."""
+    """A backend ahead of ``backend`` that the config asks for by another field (in a precision
+    it computes) owns the experts, whether or not it can run them."""
     ahead = BACKENDS[:BACKENDS.index(backend)] if backend in BACKENDS else ()
     for other in ahead:
         field = other.requested_by
-        if field and field != backend.requested_by and patch_option(config, field):
+        if (field and field != backend.requested_by and patch_option(config, field)
+                and precision_of(config) in other.precisions):
             return f"the {other.name} backend owns the experts' compute ({flag_name(field)})"
     return None
 
@@ -121,6 +123,8 @@ def _layer_refusal(backend, config) -> Optional[str]:
         return f"it supports {_named(backend.activations)} activations only"
     if config.use_te_activation_func and not backend.te_activation_func:
         return "--use-te-activation-func: it computes megatron-core's own activation"
+    if config.add_bias_linear and not backend.biases:
+        return "expert biases (--disable-bias-linear drops them)"
     if expert_tp_size(config) > 1 and not backend.expert_tp:
         return "expert tensor parallelism > 1"
     if config.moe_apply_probs_on_input and not backend.probs_on_input:

@@ -387,7 +387,7 @@ def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkey
         torch.testing.assert_close(dp, probs_R.grad, rtol=0, atol=1e-12)
 
 
-# --- which process can run the exchange (exchange_blocker), one rule at a time ------------------
+# --- which process can run the exchange (the plan's exchange), one rule at a time ---------------
 
 
 @pytest.fixture
@@ -403,7 +403,7 @@ def fused_permute_kernels(monkeypatch):
 
 @pytest.fixture
 def hopper_node(monkeypatch, fused_permute_kernels):
-    """What exchange_blocker asks of the machine, answered as a Hopper node with Triton would."""
+    """What the plan asks of the machine, answered as a Hopper node with Triton would."""
     from megatron.moe_patches import capabilities
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -93,6 +93,7 @@ class ExpertBackend:
     params_dtypes: Optional[Tuple[torch.dtype, ...]] = None  # parameter dtypes; None: any
     activations: Optional[Tuple[str, ...]] = None  # glu_activation() names it computes; None: any
     te_activation_func = True  # runs with --use-te-activation-func
+    biases = True  # expert biases (add_bias_linear)
     expert_tp = True  # expert tensor parallelism > 1
     probs_on_input = True  # --moe-apply-probs-on-input
     delayed_wgrad = True  # --delay-wgrad-compute (backward_dw computes the weight gradients)
