@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron.moe_patches.experts.table import single_grouped_refusal
 from megatron.moe_patches.fields import (
     DEVICE_SPLITS_ENV_ALIAS,
     LEGACY_GROUPED_GEMM,
@@ -30,8 +29,8 @@ from megatron.moe_patches.fields import (
     log_once,
     uses_legacy_grouped_gemm,
 )
-from megatron.moe_patches.graphs.moe_layer_graphs import graph_blocker, graphs_dropless_moe, scope_names
-from megatron.moe_patches.dispatch.symmetric_exchange import exchange_config_errors
+from megatron.moe_patches.graphs.moe_layer_graphs import graphs_dropless_moe, scope_names
+from megatron.moe_patches.plan import expert_tp_size, plan_for
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,8 @@ BOOL_FIELDS = tuple(f.name for f in PATCH_FIELDS if f.type in (bool, "bool"))
 def validate_moe_patch_config(config) -> None:
     """Raise one ValueError listing every invalid combination of the patch fields.
 
-    Runs at config construction, so a bad recipe fails before any GPU work.
+    Runs at config construction, so a bad recipe fails before any GPU work. What the MoE
+    layers can run here is the config's plan (``plan.plan_for``); this reads it.
     """
     errors = []
     for name in BOOL_FIELDS:  # 1 or "false" would read as True/False by accident
@@ -51,6 +51,7 @@ def validate_moe_patch_config(config) -> None:
     if errors:  # the checks below read these fields as booleans
         raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
     is_moe = config.num_moe_experts is not None
+    plan = plan_for(config) if is_moe else None
     te_grouped_experts = (
         is_moe
         and config.moe_grouped_gemm
@@ -66,8 +67,8 @@ def validate_moe_patch_config(config) -> None:
             "moe_grouped_gemm=True (--moe-grouped-gemm), "
             f"transformer_impl='transformer_engine'{legacy}."
         )
-    elif grouped and single_grouped_refusal(config) is not None:
-        errors.append(single_grouped_refusal(config))
+    elif grouped and plan.single_grouped_refusal is not None:
+        errors.append(plan.single_grouped_refusal)
     if config.moe_single_grouped_bias and not config.add_bias_linear:
         errors.append(
             "moe_single_grouped_bias=True needs expert biases: set add_bias_linear=True "
@@ -86,7 +87,7 @@ def validate_moe_patch_config(config) -> None:
                 "num_moe_experts and gated_linear_unit=True (--swiglu), or unset it."
             )
         else:
-            etp = config.expert_tensor_parallel_size or 1
+            etp = expert_tp_size(config)
             ffn_per_partition = config.moe_ffn_hidden_size // etp
             if ffn_per_partition % interleave:
                 errors.append(
@@ -100,7 +101,7 @@ def validate_moe_patch_config(config) -> None:
             errors.append(
                 "use_transformer_engine_op_fuser=True needs transformer_impl='transformer_engine'."
             )
-        if is_moe and (config.expert_tensor_parallel_size or 1) > 1:
+        if is_moe and expert_tp_size(config) > 1:
             errors.append(
                 "use_transformer_engine_op_fuser=True does not support expert tensor parallelism: "
                 f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}; set "
@@ -136,10 +137,10 @@ def validate_moe_patch_config(config) -> None:
         errors.append("moe_symmetric_exchange=True applies to MoE layers only: set num_moe_experts, "
                       "or drop --moe-symmetric-exchange.")
     elif is_moe:
-        errors.extend(exchange_config_errors(config))
+        errors.extend(plan.exchange.contradictions)
 
-    if graphs_dropless_moe(config):
-        reason = graph_blocker(config)
+    if graphs_dropless_moe(config):  # (implies is_moe)
+        reason = plan.graph_blocker
         if reason is not None:
             errors.append(
                 f"cuda_graph_scope=moe for dropless MoE needs the graph-safe MoE layer (F11), and "
@@ -185,7 +186,7 @@ class PatchedTransformerConfig(TransformerConfig, MoEPatchFields):
 
     def __post_init__(self):
         # megatron-core asserts that moe-scope graphs are drop-and-pad only; the patch
-        # validation below checks dropless ones instead (graph_blocker), so megatron-core's
+        # validation below checks dropless ones instead (the plan's graph_blocker), so megatron-core's
         # graph checks run without the impl, which they are all conditioned on.
         impl = self.cuda_graph_impl
         bypass = graphs_dropless_moe(self) and not (self.enable_cuda_graph or self.external_cuda_graph)

@@ -22,7 +22,7 @@ def main(out_path):
 
     results = []
     for experts, topk, tokens in ((16, 2, 1000), (64, 8, 777)):
-        kwargs = small_moe_kwargs(experts, topk)
+        kwargs = small_moe_kwargs(experts, topk, expert_model_parallel_size=2)  # the groups' EP size
         revert()
         _, stock = run_layer(tc_module.TransformerConfig(**kwargs), tokens, seed=20 + rank)
         apply()

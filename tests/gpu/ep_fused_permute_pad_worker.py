@@ -19,7 +19,8 @@ def main(out_path):
     results = []
     for precision, experts, topk, tokens in (("tensorwise", 16, 2, 1000), ("tensorwise", 64, 8, 777), ("delayed", 16, 1, 300)):
         shape = MoEShape(hidden=256, moe_ffn=192, experts=experts, topk=topk)
-        kwargs = moe_config_kwargs(shape, "bf16", fp8="e4m3", fp8_recipe=precision)
+        kwargs = moe_config_kwargs(shape, "bf16", fp8="e4m3", fp8_recipe=precision,
+                                   expert_model_parallel_size=2)  # the groups' EP size
         revert()
         _, stock = run_layer(tc_module.TransformerConfig(**kwargs), tokens, seed=10 + rank)
         apply()

@@ -54,7 +54,7 @@ def main(out_path):
 
     results = []
     for name, experts, topk, tokens, extra, allowed in CASES:
-        kwargs = small_moe_kwargs(experts, topk, **extra)
+        kwargs = small_moe_kwargs(experts, topk, expert_model_parallel_size=2, **extra)  # the groups' EP size
         routing = None if allowed is None else restricted_routing(experts, topk, allowed, seed=40 + rank)
         seed = 20 + rank
         revert()

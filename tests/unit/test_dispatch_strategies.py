@@ -21,6 +21,13 @@ from megatron.moe_patches.dispatch.exchanges import (
     SymmetricMemoryAllToAll,
 )
 from megatron.moe_patches.dispatch.permute_pad import DeviceCountPermute, PaddedPermute, PlainPermute
+from megatron.moe_patches.plan import ALLGATHER, ALLTOALL, SYMMETRIC_MEMORY, ExchangeChoice
+
+
+def given_choice(monkeypatch, name=ALLTOALL, device_counts=False, skips_chunk_sort=False, pad_align=None):
+    """The dispatchers build from this exchange choice instead of the config's plan."""
+    choice = ExchangeChoice(name, None, device_counts, skips_chunk_sort, pad_align, ())
+    monkeypatch.setattr(dispatchers, "_exchange_plan", lambda dispatcher: choice)
 
 
 @pytest.fixture
@@ -59,7 +66,9 @@ def test_the_alltoall_dispatcher_gets_one_exchange(moe_config, monkeypatch, symm
                                                    expected):
     stubbed_stock_init(monkeypatch, ep, tp)
     exchange = object()
-    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, e: exchange if symmetric else None)
+    monkeypatch.setattr(exchanges, "SymmetricExchange", lambda group, topk: exchange)
+    one_source = device_counts and ep == 1 and tp == 1
+    given_choice(monkeypatch, SYMMETRIC_MEMORY if symmetric else ALLTOALL, device_counts, one_source or symmetric)
     config = moe_config(moe_device_tokens_per_expert=device_counts)
     dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=config)
     assert type(dispatcher.exchange) is expected
@@ -83,8 +92,7 @@ def test_exchanges_declare_what_they_do():
 @pytest.mark.parametrize("align", [None, 16])
 def test_the_alltoall_dispatcher_gets_one_permute_step(moe_config, monkeypatch, align):
     stubbed_stock_init(monkeypatch)
-    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, e: None)
-    monkeypatch.setattr(dispatchers, "_fused_pad_align", lambda config: align)
+    given_choice(monkeypatch, pad_align=align)
     config = moe_config(moe_pad_expert_input_to_capacity=False)
     step = dispatchers.PatchedAlltoAllTokenDispatcher(config=config).permute_step
     if align is None:
@@ -109,8 +117,7 @@ def test_the_plain_alltoall_step_carries_the_stock_options(moe_config):
 ])
 def test_the_allgather_dispatcher_gets_one_permute_step(moe_config, monkeypatch, align, counts_on_device, expected):
     stubbed_stock_init(monkeypatch)
-    monkeypatch.setattr(dispatchers, "_fused_pad_align", lambda config: align)
-    monkeypatch.setattr(dispatchers, "allgather_keeps_counts_on_device", lambda c, ep, tp: counts_on_device)
+    given_choice(monkeypatch, ALLGATHER, device_counts=counts_on_device, pad_align=align)
     dispatcher = dispatchers.PatchedAllGatherTokenDispatcher(config=moe_config(moe_token_dispatcher_type="allgather"))
     assert type(dispatcher.permute_step) is expected and type(dispatcher.exchange) is AllGather
     assert dispatcher.local_experts == slice(0, 4)
@@ -349,7 +356,6 @@ class SharedExperts:
 
 @pytest.mark.parametrize("case", [*ALLTOALL_CASES, "shared experts"])
 def test_the_alltoall_pipeline_is_megatron_cores(moe_config, monkeypatch, cpu_host_copies, case):
-    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, e: None)
     config = moe_config(moe_permute_fusion=False, moe_router_topk=2, **ALLTOALL_CASES.get(case, {}))
     hidden = torch.randn(13, 1, 64)
     routing_map, probs = routing()
@@ -373,7 +379,6 @@ def test_the_alltoall_pipeline_is_megatron_cores(moe_config, monkeypatch, cpu_ho
 
 
 def test_device_counts_at_one_rank_skip_only_the_identity_sort(moe_config, monkeypatch, cpu_host_copies):
-    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, e: None)
     hidden = torch.randn(13, 1, 64)
     routing_map, probs = routing()
     stock_config = moe_config(moe_permute_fusion=False, moe_router_topk=2)
@@ -392,7 +397,6 @@ def test_device_counts_at_one_rank_skip_only_the_identity_sort(moe_config, monke
 
 def test_the_allgather_pipeline_is_megatron_cores(moe_config, monkeypatch):
     config = moe_config(moe_token_dispatcher_type="allgather", moe_permute_fusion=False, moe_router_topk=2)
-    monkeypatch.setattr(dispatchers, "_fused_pad_align", lambda c: None)
     hidden = torch.randn(13, 1, 64)
     routing_map, probs = routing()
     results = []

@@ -7,7 +7,7 @@ import torch
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches.experts import grouped_mm as f8
 from megatron.moe_patches.experts import backend as eb
-from megatron.moe_patches.experts import table as expert_table
+from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
 from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, NcclAllToAllDeviceCounts
@@ -45,7 +45,7 @@ SELECTION = [
     (dict(gated_linear_unit=False, activation_func=torch.nn.functional.gelu), "te", "SwiGLU and quick-GEGLU"),
     (dict(activation_func=torch.nn.functional.gelu), "te", "SwiGLU and quick-GEGLU"),
     (dict(expert_tensor_parallel_size=2), "te", "expert tensor parallelism"),
-    (dict(use_transformer_engine_op_fuser=True), "te", "op fuser"),  # no TE here: the op fuser cannot run either
+    (dict(use_transformer_engine_op_fuser=True), "te", "op_fuser backend owns"),  # no TE here: the op fuser cannot run either
     (dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True), "te", "--moe-apply-probs-on-input"),
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "te", "recompute"),
 ]
@@ -54,8 +54,8 @@ SELECTION = [
 @pytest.mark.parametrize("overrides, backend, reason", SELECTION)
 def test_backend_table_and_selection_agree(overrides, backend, reason):
     config = cfg(**overrides)
-    assert expert_table.select_backend(config).name == backend
-    support = expert_table.backend_support(config)
+    assert moe_plan.plan_for(config).backend.name == backend
+    support = dict(moe_plan.plan_for(config).backend_support)
     assert support["te"] is None  # megatron-core's own path runs anything
     if reason is None:
         assert support["grouped_mm"] is None
@@ -67,19 +67,19 @@ def test_delayed_wgrad_runs_the_te_backend():
     # TE's GroupedLinear defers the weight gradients to backward_dw; grouped_mm computes them at once.
     config = cfg()
     config.delay_wgrad_compute = True  # set late: megatron-core asks for the EP overlap with it
-    assert expert_table.select_backend(config).name == "te"
-    assert "--delay-wgrad-compute" in expert_table.backend_support(config)["grouped_mm"]
+    assert moe_plan.plan_for(config).backend.name == "te"
+    assert "--delay-wgrad-compute" in dict(moe_plan.plan_for(config).backend_support)["grouped_mm"]
 
 
 def test_selection_prefers_the_op_fuser_when_it_can_run(monkeypatch):
     from megatron.moe_patches.experts.op_fuser import OpFuserBackend
 
-    monkeypatch.setattr(OpFuserBackend, "blocker", classmethod(lambda cls, config: None))
-    assert expert_table.select_backend(cfg(use_transformer_engine_op_fuser=True)).name == "op_fuser"
+    monkeypatch.setattr(OpFuserBackend, "unavailable", classmethod(lambda cls, config: None))
+    assert moe_plan.plan_for(cfg(use_transformer_engine_op_fuser=True)).backend.name == "op_fuser"
 
 
 def test_single_grouped_refusal_names_every_backend_reason():
-    assert expert_table.single_grouped_refusal(cfg(moe_single_grouped_weight=True)) is None  # grouped_mm holds it
+    assert moe_plan.plan_for(cfg(moe_single_grouped_weight=True)).single_grouped_refusal is None  # grouped_mm holds it
     with pytest.raises(ValueError) as refused:
         cfg(moe_single_grouped_weight=True, moe_device_tokens_per_expert=False)
     message = str(refused.value)
@@ -233,7 +233,7 @@ def test_a_dropped_layer_is_freed_without_the_garbage_collector():
     gc.collect()
     gc.disable()
     try:
-        for backend_class in expert_table.BACKENDS:
+        for backend_class in (*moe_plan.BACKENDS, moe_plan.FALLBACK):
             owner = experts_shell(cfg())
             owner.backend = backend_class(owner)
             alive = weakref.ref(owner)
@@ -367,13 +367,13 @@ def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
 def test_grouped_mm_backend_needs_hopper_or_newer(monkeypatch, capability, reason):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-    why = f8.GroupedMMBackend.blocker(cfg())
+    why = moe_plan.backend_blocker(f8.GroupedMMBackend, cfg())
     assert why is None if reason is None else reason in why
 
 
 @pytest.mark.parametrize("late, reason", [
     (dict(fp4="nvfp4"), "bf16 only"),
-    (dict(fine_grained_activation_offloading=True), "activation offloading/recompute"),
+    (dict(fine_grained_activation_offloading=True), "activation offloading"),
     (dict(delay_wgrad_compute=True), "--delay-wgrad-compute"),
 ])
 def test_grouped_mm_backend_rows_set_after_construction(late, reason):
@@ -382,8 +382,8 @@ def test_grouped_mm_backend_rows_set_after_construction(late, reason):
     config = cfg()
     for name, value in late.items():
         setattr(config, name, value)
-    assert reason in (f8.GroupedMMBackend.blocker(config) or "")
-    assert expert_table.select_backend(config).name == "te"
+    assert reason in (moe_plan.backend_blocker(f8.GroupedMMBackend, config) or "")
+    assert moe_plan.plan_for(config).backend.name == "te"
 
 
 class _FC(torch.nn.Module):

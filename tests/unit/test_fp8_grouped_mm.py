@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.experts import table as expert_table
+from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.experts.padding import NOBODY, padding_plan
+from megatron.moe_patches.experts.padding import NOBODY
 
 E4M3_MAX = 448.0
 
@@ -183,22 +183,22 @@ FP8_SELECTION = [
 @pytest.mark.parametrize("overrides, backend, reason", FP8_SELECTION)
 def test_fp8_backend_in_the_table(with_triton, overrides, backend, reason):
     config = fp8_config(**overrides)
-    assert expert_table.select_backend(config).name == backend
-    why = expert_table.backend_support(config)["fp8_grouped_mm"]
+    assert moe_plan.plan_for(config).backend.name == backend
+    why = dict(moe_plan.plan_for(config).backend_support)["fp8_grouped_mm"]
     assert why is None if reason is None else reason in why
 
 
 def test_fp8_backend_needs_triton(monkeypatch):
     monkeypatch.setattr(cap, "triton_available", lambda: False)
-    assert expert_table.backend_support(fp8_config())["fp8_grouped_mm"] == "it needs Triton"
+    assert dict(moe_plan.plan_for(fp8_config()).backend_support)["fp8_grouped_mm"] == "it needs Triton"
 
 
 def test_fp8_backend_takes_unpadded_rows(with_triton):
     # Any row count per expert: nobody pads, even where F1 could (alltoall + permute fusion).
     config = fp8_config(moe_token_dispatcher_type="alltoall")
     config.moe_permute_fusion = True  # set late: megatron-core's check imports TE's kernels
-    assert padding_plan(config).padded_by == NOBODY
-    assert padding_plan(fp8_config(fp8_recipe="delayed")).align == 16  # the TE backend still pads
+    assert moe_plan.plan_for(config).padding.padded_by == NOBODY
+    assert moe_plan.plan_for(fp8_config(fp8_recipe="delayed")).padding.align == 16  # the TE backend still pads
 
 
 def test_scales_stay_finite_where_448_over_the_amax_overflows():
@@ -226,13 +226,13 @@ def test_scales_stay_finite_where_448_over_the_amax_overflows():
 def test_fp8_backend_runs_on_hopper_only(with_triton, monkeypatch, capability, reason):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-    why = fp8.FP8GroupedMMBackend.precision_blocker(fp8_config())
+    why = moe_plan.backend_blocker(fp8.FP8GroupedMMBackend, fp8_config())
     assert why is None if reason is None else reason in why
 
 
 def test_fp8_backend_needs_torchs_scaled_grouped_mm(with_triton, monkeypatch):
     monkeypatch.delattr(torch, "_scaled_grouped_mm")
-    assert expert_table.backend_support(fp8_config())["fp8_grouped_mm"] == (
+    assert dict(moe_plan.plan_for(fp8_config()).backend_support)["fp8_grouped_mm"] == (
         f"torch {torch.__version__} has no torch._scaled_grouped_mm")
 
 
@@ -275,14 +275,14 @@ def test_a_fallback_from_the_asked_backend_is_logged_once_and_only_for_its_preci
     from megatron.moe_patches import fields
 
     monkeypatch.setattr(fields, "_said", set())
-    with caplog.at_level(logging.INFO, logger=expert_table.__name__):
-        expert_table.select_backend(fp8_config(fp8_recipe="delayed"))
-        expert_table.select_backend(fp8_config(fp8_recipe="delayed"))
-    lines = [r.getMessage() for r in caplog.records]
+    with caplog.at_level(logging.INFO, logger=moe_plan.__name__):
+        moe_plan.plan_for(fp8_config(fp8_recipe="delayed")).log_choices()
+        moe_plan.plan_for(fp8_config(fp8_recipe="delayed")).log_choices()
+    lines = [r.getMessage() for r in caplog.records if "expert backend" in r.getMessage()]  # not F1's line
     assert lines == ["moe_device_tokens_per_expert: not the fp8_grouped_mm expert backend because of "
                      "--fp8-recipe delayed: it implements tensorwise (current) scaling only"]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=expert_table.__name__):
-        expert_table.select_backend(fp8_config(fp8=None, expert_tensor_parallel_size=2))
-    assert [r.getMessage() for r in caplog.records] == [
+    with caplog.at_level(logging.INFO, logger=moe_plan.__name__):
+        moe_plan.plan_for(fp8_config(fp8=None, expert_tensor_parallel_size=2)).log_choices()
+    assert [r.getMessage() for r in caplog.records if "expert backend" in r.getMessage()] == [
         "moe_device_tokens_per_expert: not the grouped_mm expert backend because of expert tensor parallelism > 1"]

@@ -6,7 +6,7 @@ import torch
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import fields
-from megatron.moe_patches.experts import padding as f3
+from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher, alltoall_permute_step
 from megatron.moe_patches.dispatch.exchanges import NcclAllToAll
 from megatron.moe_patches.dispatch.permute_pad import align_up
@@ -14,9 +14,12 @@ from megatron.moe_patches.testing.reference import reference_permute_and_pad, re
 
 
 def fused_padding_alignment(config):
-    """The alignment our dispatchers pad to, or None where they run the stock path."""
-    plan = f3.padding_plan(config)
-    return plan.align if plan.dispatcher_pads else None
+    """The alignment our dispatchers pad to, or None where they run the stock path (said as
+    the dispatchers' construction says it)."""
+    plan = moe_plan.plan_for(config)
+    plan.log_choices()
+    assert plan.exchange.pad_align == (plan.padding.align if plan.padding.dispatcher_pads else None)
+    return plan.exchange.pad_align
 
 
 def test_align_up():
@@ -100,7 +103,7 @@ def test_fused_padding_decision(moe_config, te_kernel, overrides, expected):
 def test_fallback_without_te_kernel_warns_once(moe_config, monkeypatch, caplog):
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: False)
     monkeypatch.setattr(fields, "_said", set())
-    with caplog.at_level(logging.WARNING, logger=f3.__name__):
+    with caplog.at_level(logging.WARNING, logger=moe_plan.__name__):
         assert fused_padding_alignment(moe_config(fp8="e4m3")) is None
         assert fused_padding_alignment(moe_config(fp8="e4m3")) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

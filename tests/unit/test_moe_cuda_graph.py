@@ -9,9 +9,10 @@ import torch
 from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.dispatch import dispatchers, permute_pad
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.graphs.moe_layer_graphs import graph_blocker, scope_names
+from megatron.moe_patches.graphs.moe_layer_graphs import scope_names
 
 BASE = dict(
     num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
@@ -35,6 +36,15 @@ def fused_permute_kernels(monkeypatch):
 
 def config(**overrides):
     return PatchedTransformerConfig(**{**BASE, **overrides})
+
+
+def graph_blocker(c):
+    return moe_plan.plan_for(c).graph_blocker
+
+
+def allgather_keeps_counts_on_device(c, ep, expert_tp):
+    c.expert_model_parallel_size, c.expert_tensor_parallel_size = ep, expert_tp  # set late: the plan alone decides
+    return moe_plan.plan_for(c).exchange.device_counts
 
 
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
@@ -74,16 +84,15 @@ def test_refused_by_name(overrides, reason):
 
 
 def test_ep2_graphs_need_the_symmetric_exchange_and_its_runtime(monkeypatch):
-    import megatron.moe_patches.graphs.moe_layer_graphs as moe_cuda_graph
-
     without = config(cuda_graph_impl="none", expert_model_parallel_size=2)
     assert "add --moe-symmetric-exchange" in graph_blocker(without)
-    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: "no CUDA device" if ep == 2 else "?")
-    exchange = config(cuda_graph_impl="none", expert_model_parallel_size=2, moe_symmetric_exchange=True)
-    assert graph_blocker(exchange) == ("--expert-model-parallel-size 2: the symmetric exchange cannot run "
-                                       "here (no CUDA device)")
-    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: None)
-    assert graph_blocker(exchange) is None
+    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker",
+                        lambda c, backend, padding: "no CUDA device" if c.expert_model_parallel_size == 2 else "?")
+    exchange = dict(cuda_graph_impl="none", expert_model_parallel_size=2, moe_symmetric_exchange=True)
+    assert graph_blocker(config(**exchange)) == ("--expert-model-parallel-size 2: the symmetric exchange cannot "
+                                                 "run here (no CUDA device)")
+    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: None)
+    assert graph_blocker(config(**exchange)) is None
     graphed = config(expert_model_parallel_size=2, moe_symmetric_exchange=True)
     assert graphed.cuda_graph_scope == [CudaGraphScope.moe]
 
@@ -130,8 +139,8 @@ def test_scope_names():
     (dict(moe_permute_fusion=False), 1, 1, False),
 ])
 def test_allgather_keeps_counts_on_device_where_rows_are_known(overrides, ep, tp, expected):
-    c = config(cuda_graph_impl="none", **overrides)
-    assert dispatchers.allgather_keeps_counts_on_device(c, ep, tp) is expected
+    c = config(cuda_graph_impl="none", moe_token_dispatcher_type="allgather", **overrides)
+    assert allgather_keeps_counts_on_device(c, ep, tp) is expected
 
 
 def test_allgather_device_counts_wiring(monkeypatch):
@@ -321,14 +330,17 @@ def test_the_graph_tables_neighbours_stay_graphable(graphable, fields):
 
 
 def test_ep2_rows_of_the_graph_table_ask_the_exchange_with_the_ep_size(graphable, monkeypatch):
-    import megatron.moe_patches.graphs.moe_layer_graphs as moe_cuda_graph
-
     asked = []
-    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: asked.append(ep) or "Triton is not installed")
-    ep4 = graphable(expert_model_parallel_size=4, moe_symmetric_exchange=True)
-    assert graph_blocker(ep4) == "--expert-model-parallel-size 4: the symmetric exchange cannot run here (Triton is not installed)"
-    monkeypatch.setattr(moe_cuda_graph, "exchange_blocker", lambda c, ep: asked.append(ep) or None)
-    assert graph_blocker(ep4) is None
+
+    def answer(reason):
+        return lambda c, backend, padding: asked.append(c.expert_model_parallel_size) or reason
+
+    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", answer("Triton is not installed"))
+    ep4 = dict(expert_model_parallel_size=4, moe_symmetric_exchange=True)
+    assert graph_blocker(graphable(**ep4)) == ("--expert-model-parallel-size 4: the symmetric exchange cannot run "
+                                               "here (Triton is not installed)")
+    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", answer(None))
+    assert graph_blocker(graphable(**ep4)) is None
     # EP 2 with a runnable exchange still meets the rest of the table
     assert "tensor parallelism > 1" in graph_blocker(graphable(expert_model_parallel_size=2, moe_symmetric_exchange=True,
                                                                tensor_model_parallel_size=2))
@@ -381,7 +393,7 @@ def test_allgather_keeps_host_counts_where_the_row_count_is_not_tokens_times_top
 
     monkeypatch.setattr(capabilities, "te_fused_permute_pad", lambda: True)
     c = config(cuda_graph_impl="none", moe_token_dispatcher_type="allgather")
-    assert dispatchers.allgather_keeps_counts_on_device(c, 1, 1)
+    assert allgather_keeps_counts_on_device(c, 1, 1)
     for name, value in late.items():
         setattr(c, name, value)
-    assert not dispatchers.allgather_keeps_counts_on_device(c, 1, 1)
+    assert not allgather_keeps_counts_on_device(c, 1, 1)

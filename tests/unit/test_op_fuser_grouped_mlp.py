@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.plan import backend_blocker
 from megatron.moe_patches.experts import op_fuser as f4
 
 E = 3
@@ -24,10 +25,10 @@ def te_ops_present(monkeypatch):
 
 def test_blocker_accepts_plain_swiglu_and_quick_geglu(moe_config, te_ops_present):
     on = dict(gated_linear_unit=True, use_transformer_engine_op_fuser=True)
-    assert f4.OpFuserBackend.blocker(moe_config(**on, activation_func=F.silu)) is None
-    assert f4.OpFuserBackend.blocker(moe_config(**on, activation_func=quick_gelu)) is None
-    assert f4.OpFuserBackend.blocker(moe_config(**on, activation_func=F.silu, add_bias_linear=True)) is None
-    assert "is off" in f4.OpFuserBackend.blocker(moe_config(gated_linear_unit=True, activation_func=F.silu))
+    assert backend_blocker(f4.OpFuserBackend, moe_config(**on, activation_func=F.silu)) is None
+    assert backend_blocker(f4.OpFuserBackend, moe_config(**on, activation_func=quick_gelu)) is None
+    assert backend_blocker(f4.OpFuserBackend, moe_config(**on, activation_func=F.silu, add_bias_linear=True)) is None
+    assert "is off" in backend_blocker(f4.OpFuserBackend, moe_config(gated_linear_unit=True, activation_func=F.silu))
 
 
 @pytest.mark.parametrize("change, words", [
@@ -41,13 +42,13 @@ def test_blocker_accepts_plain_swiglu_and_quick_geglu(moe_config, te_ops_present
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "recompute"),
     (dict(fp4="nvfp4"), "FP4"),
     (dict(fp8="e4m3", fp8_param=True), "FP8 parameters"),
-    (dict(moe_single_grouped_weight=True), "cuBLASLt >= 13.4"),
+    (dict(moe_single_grouped_weight=True), "single grouped parameters"),
 ])
 def test_blocker_names_each_unsupported_setting(moe_config, te_ops_present, change, words):
     config = moe_config(gated_linear_unit=True, activation_func=F.silu, use_transformer_engine_op_fuser=True)
     for name, value in change.items():  # set after validation: only the decision is tested
         setattr(config, name, value)
-    reason = f4.OpFuserBackend.blocker(config)
+    reason = backend_blocker(f4.OpFuserBackend, config)
     assert reason is not None and words in reason, reason
 
 
@@ -55,9 +56,9 @@ def test_blocker_names_te_gaps(moe_config, monkeypatch, te_ops_present):
     config = moe_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=True,
                         use_transformer_engine_op_fuser=True)
     monkeypatch.setattr(cap, "te_ops_grouped_linear_has", lambda option: option != "scale_bias")
-    assert "FC2 bias" in f4.OpFuserBackend.blocker(config)
+    assert "FC2 bias" in backend_blocker(f4.OpFuserBackend, config)
     monkeypatch.setattr(cap, "te_op_fuser_grouped_mlp", lambda: False)
-    assert "no te.pytorch.ops" in f4.OpFuserBackend.blocker(config)
+    assert "no te.pytorch.ops" in backend_blocker(f4.OpFuserBackend, config)
 
 
 # --- the pipeline, built against a fake te.pytorch.ops -------------------------------------

@@ -1,17 +1,22 @@
 import pytest
+import torch
 
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.experts.op_fuser import FUSED_KERNEL_ALIGNMENT, OpFuserBackend
-from megatron.moe_patches.experts.padding import (
-    EXPERTS,
-    HYBRIDEP,
-    NOBODY,
-    PERMUTE,
-    ROUTER,
-    padding_plan,
-    quantization_alignment,
-    skip_routed_expert_padding,
-)
+from megatron.moe_patches.experts.padding import EXPERTS, HYBRIDEP, NOBODY, PERMUTE, ROUTER
+
+
+def padding_plan(config):
+    return moe_plan.plan_for(config).padding
+
+
+def quantization_alignment(config):
+    return padding_plan(config).align
+
+
+def skip_routed_expert_padding(config):
+    return padding_plan(config).earlier_stage_pads
 
 
 def test_quantization_alignment(moe_config):
@@ -24,10 +29,12 @@ def test_quantization_alignment(moe_config):
 @pytest.mark.parametrize("fused_kernel", [True, False])
 def test_op_fuser_alignment_where_te_fuses_the_grouped_mlp(moe_config, monkeypatch, fused_kernel):
     monkeypatch.setattr(cap, "te_fused_grouped_mlp_kernel", lambda: fused_kernel)
-    monkeypatch.setattr(OpFuserBackend, "blocker", classmethod(lambda cls, config: None))
-    fused_fp8 = moe_config(fp8="e4m3", use_transformer_engine_op_fuser=True)
+    monkeypatch.setattr(OpFuserBackend, "unavailable", classmethod(lambda cls, config: None))
+    swiglu = dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu, use_transformer_engine_op_fuser=True)
+    fused_fp8 = moe_config(fp8="e4m3", **swiglu)
+    assert moe_plan.plan_for(fused_fp8).backend is OpFuserBackend
     assert quantization_alignment(fused_fp8) == (256 if fused_kernel else 16)
-    assert quantization_alignment(moe_config(use_transformer_engine_op_fuser=True)) is None  # bf16 never pads
+    assert quantization_alignment(moe_config(**swiglu)) is None  # bf16 never pads
 
 
 def test_op_fuser_alignment_only_where_the_op_fuser_runs(moe_config, monkeypatch):
@@ -91,26 +98,22 @@ F1_BLOCKED = [
 
 @pytest.mark.parametrize("fields, reason", F1_BLOCKED, ids=[r for _, r in F1_BLOCKED])
 def test_each_f1_rule_hands_the_padding_to_the_experts(moe_config, monkeypatch, fields, reason):
-    from megatron.moe_patches.experts.padding import _fused_permute_pad_blocker
-
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
     config = moe_config(fp8="e4m3")
-    assert _fused_permute_pad_blocker(config) is None and padding_plan(config).padded_by == PERMUTE
+    assert moe_plan.fused_permute_pad_blocker(config) is None and padding_plan(config).padded_by == PERMUTE
     for name, value in fields.items():  # set late: the rule alone decides, not megatron-core's checks
         setattr(config, name, value)
-    assert reason in (_fused_permute_pad_blocker(config) or "")
+    assert reason in (moe_plan.fused_permute_pad_blocker(config) or "")
     assert padding_plan(config).padded_by == EXPERTS and not skip_routed_expert_padding(config)
+    assert reason in padding_plan(config).reason
 
 
 def test_an_alignment_of_one_means_nobody_pads(moe_config, monkeypatch):
-    """A backend that takes any row count (required_alignment 1) needs no padding anywhere,
+    """A backend that takes any row count (alignment 1) needs no padding anywhere,
     whatever the recipe's own GEMM alignment."""
-    from megatron.moe_patches.experts import table as expert_table
-    from megatron.moe_patches.experts.backend import TEBackend
-
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
-    monkeypatch.setattr(TEBackend, "required_alignment", classmethod(lambda cls, config: 1))
-    monkeypatch.setattr(expert_table, "BACKENDS", (TEBackend,))
+    monkeypatch.setattr(moe_plan.FALLBACK, "alignment", 1)  # the TE backend
+    monkeypatch.setattr(moe_plan, "BACKENDS", ())
     config = moe_config(fp8="e4m3")
     assert quantization_alignment(config) is None
     assert padding_plan(config).padded_by == NOBODY and not skip_routed_expert_padding(config)

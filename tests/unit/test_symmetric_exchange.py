@@ -3,18 +3,16 @@ reference, the config rules, and the fallback to NCCL. The kernels and the EP=2 
 run on the GPU (tests/gpu/test_symmetric_exchange.py)."""
 
 import bisect
+import dataclasses
 import logging
 import types
 
 import pytest
 import torch
 
-from megatron.moe_patches.dispatch.symmetric_exchange import (
-    ExchangePlan,
-    exchange_config_errors,
-    owner_rows_bound,
-    symmetric_exchange_for,
-)
+from megatron.moe_patches import plan as moe_plan
+from megatron.moe_patches.dispatch.symmetric_exchange import ExchangePlan, owner_rows_bound
+from megatron.moe_patches.plan import exchange_config_errors
 
 
 def _random_counts(ep, local, seed, empty_rank=None):
@@ -138,13 +136,16 @@ def test_patched_config_refuses_a_contradiction_before_any_gpu_work(moe_config):
 
 def test_without_the_gpu_the_exchange_stays_nccl_and_says_why(moe_config, caplog):
     config = moe_config(moe_device_tokens_per_expert=True)
-    config.moe_symmetric_exchange = True
-    with caplog.at_level(logging.WARNING, logger="megatron.moe_patches.dispatch.symmetric_exchange"):
-        assert symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=2) is None
+    config.moe_symmetric_exchange, config.expert_model_parallel_size = True, 2
+    with caplog.at_level(logging.WARNING, logger=moe_plan.__name__):
+        plan = moe_plan.plan_for(config)
+        plan.log_choices()
+    assert plan.exchange.name == moe_plan.ALLTOALL
     if not torch.cuda.is_available():
+        assert plan.exchange.reason == "no CUDA device"
         assert "no CUDA device" in caplog.text and "NCCL" in caplog.text
     config.moe_symmetric_exchange = False
-    assert symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=2) is None
+    assert moe_plan.plan_for(config).exchange == dataclasses.replace(plan.exchange, reason=None, contradictions=())
 
 
 class _FakeExchange:
@@ -391,7 +392,7 @@ def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkey
         torch.testing.assert_close(dp, probs_R.grad, rtol=0, atol=1e-12)
 
 
-# --- which process can run the exchange (exchange_blocker), one rule at a time ------------------
+# --- which process can run the exchange (the plan's exchange), one rule at a time ---------------
 
 
 @pytest.fixture
@@ -407,7 +408,7 @@ def fused_permute_kernels(monkeypatch):
 
 @pytest.fixture
 def hopper_node(monkeypatch, fused_permute_kernels):
-    """What exchange_blocker asks of the machine, answered as a Hopper node with Triton would."""
+    """What the plan asks of the machine, answered as a Hopper node with Triton would."""
     from megatron.moe_patches import capabilities
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -427,54 +428,78 @@ def _exchange_config(**fields):
     return config
 
 
-@pytest.mark.parametrize("fields, ep, reason", [
-    ({}, 2, None),
-    ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, 2, None),  # the FP8 experts are grouped_mm's kind
-    ({}, 1, "expert parallelism is 1"),
-    ({"moe_apply_probs_on_input": True}, 2, "the experts run the te backend, which needs host split sizes"),
-    ({"fp8": "e4m3", "fp8_recipe": "delayed"}, 2, "the dispatcher pads each expert's rows for quantization (F1)"),
+@pytest.mark.parametrize("fields, reason", [
+    ({}, None),
+    ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, None),  # the FP8 experts take device counts too
+    ({"expert_model_parallel_size": 1}, "expert parallelism is 1"),
+    ({"moe_apply_probs_on_input": True}, "the experts run the te backend, which needs host split sizes"),
+    ({"fp8": "e4m3", "fp8_recipe": "delayed"}, "the dispatcher pads each expert's rows for quantization (F1)"),
 ], ids=["bf16", "fp8 tensorwise", "EP 1", "TE experts", "F1 pads"])
-def test_exchange_blocker_table(hopper_node, fields, ep, reason):
-    from megatron.moe_patches.dispatch.symmetric_exchange import exchange_blocker
+def test_the_plans_exchange_table(hopper_node, fields, reason):
+    exchange = moe_plan.plan_for(_exchange_config(**fields)).exchange
+    assert exchange.reason is None if reason is None else reason in (exchange.reason or ""), exchange.reason
+    assert (exchange.name == moe_plan.SYMMETRIC_MEMORY) == (reason is None)
+    ep1 = fields.get("expert_model_parallel_size") == 1  # one source rank: nothing to sort either
+    assert exchange.device_counts and exchange.skips_chunk_sort == (reason is None or ep1)
 
-    found = exchange_blocker(_exchange_config(**fields), ep)
-    assert found is None if reason is None else reason in (found or ""), found
 
-
-def test_exchange_blocker_asks_the_machine(hopper_node, monkeypatch):
+def test_the_exchange_rule_asks_the_machine(hopper_node, monkeypatch):
     import importlib.util
 
     from megatron.moe_patches import capabilities
-    from megatron.moe_patches.dispatch.symmetric_exchange import exchange_blocker
 
-    config = _exchange_config()
-    assert exchange_blocker(config, 2) is None
+    def reason():  # a fresh config each time: a plan is made once per config
+        return moe_plan.plan_for(_exchange_config()).exchange.reason
+
+    assert reason() is None
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch.distributed._symmetric_memory" else real_find_spec(name, *a))
-    assert exchange_blocker(config, 2) == f"torch {torch.__version__} has no symmetric memory"
+    assert reason() == f"torch {torch.__version__} has no symmetric memory"
     monkeypatch.setattr(capabilities, "triton_available", lambda: False)
-    assert exchange_blocker(config, 2) == "Triton is not installed"
+    assert reason() == "Triton is not installed"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert exchange_blocker(config, 2) == "no CUDA device"
+    assert reason() == "no CUDA device"
+
+
+def _stub_stock_alltoall(monkeypatch, ep_size=2, tp_size=1):
+    """megatron-core's own __init__ needs CUDA streams: a stand-in that sets what ours reads."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def stock_init(self, *args, **kwargs):
+        self.config, self.ep_group, self.ep_size, self.tp_size = kwargs["config"], "ep-group", ep_size, tp_size
+
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "__init__", stock_init)
 
 
 def test_the_dispatcher_gets_the_exchange_only_where_it_can_run(hopper_node, monkeypatch, caplog):
     from megatron.moe_patches import fields
+    from megatron.moe_patches.dispatch import dispatchers
     from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
+    _stub_stock_alltoall(monkeypatch)
     monkeypatch.setattr(fields, "_said", set())
-    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: 2, group_name="ep")
-    config = _exchange_config()
-    with caplog.at_level(logging.INFO, logger=sx.__name__):
-        exchange = sx.symmetric_exchange_for(config, group, 2)
-        assert isinstance(exchange, sx.SymmetricExchange) and exchange.group is group and exchange.topk == 8
-        assert sx.symmetric_exchange_for(_exchange_config(moe_symmetric_exchange=False), group, 2) is None
-        monkeypatch.setattr(sx, "exchange_blocker", lambda c, ep: "Triton is not installed")
-        assert sx.symmetric_exchange_for(config, group, 2) is None
+    with caplog.at_level(logging.INFO, logger=moe_plan.__name__):
+        exchange = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config()).exchange.symmetric
+        assert isinstance(exchange, sx.SymmetricExchange) and exchange.group == "ep-group" and exchange.topk == 8
+        off = _exchange_config(moe_symmetric_exchange=False)
+        assert not hasattr(dispatchers.PatchedAlltoAllTokenDispatcher(config=off).exchange, "symmetric")
+        monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: "Triton is not installed")
+        assert not hasattr(dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config()).exchange, "symmetric")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["moe_symmetric_exchange: the expert-parallel exchange stays NCCL's all-to-all because "
                         "Triton is not installed"]
+    assert "moe_symmetric_exchange: EP=2 tokens go through symmetric memory" in caplog.text
+
+
+def test_a_dispatcher_whose_groups_differ_from_the_config_is_refused(hopper_node, monkeypatch):
+    """The plan is made from the config's parallel sizes: groups of other sizes would follow
+    options made for another layout (e.g. skip a chunk sort that EP 2 needs)."""
+    from megatron.moe_patches.dispatch import dispatchers
+
+    _stub_stock_alltoall(monkeypatch, ep_size=4)
+    with pytest.raises(ValueError, match="EP 4 and expert TP 1, but the config says expert_model_parallel_size=2"):
+        dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
 
 
 def test_the_flag_at_ep1_is_said_to_exchange_nothing_and_its_rules_still_hold(monkeypatch, caplog,
@@ -483,43 +508,40 @@ def test_the_flag_at_ep1_is_said_to_exchange_nothing_and_its_rules_still_hold(mo
     and --use-checkpoint-args restores it from an EP 2 checkpoint into an EP 1 run) and says so;
     the config rules it brings hold at EP 1 too, so it never accepts what EP 2 would refuse."""
     from megatron.moe_patches import fields
-    from megatron.moe_patches.dispatch import symmetric_exchange as sx
     from megatron.moe_patches.config import PatchedTransformerConfig
 
     monkeypatch.setattr(fields, "_said", set())
-    monkeypatch.setattr(sx, "exchange_blocker", lambda c, ep: pytest.fail("EP 1 asks no runtime question"))
+    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker",
+                        lambda c, backend, padding: pytest.fail("EP 1 asks no runtime question"))
     config = PatchedTransformerConfig(**_config())
     assert config.expert_model_parallel_size == 1
-    with caplog.at_level(logging.INFO, logger=sx.__name__):
-        assert sx.symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=1) is None
-        sx.symmetric_exchange_for(config, types.SimpleNamespace(), ep_size=1)
+    with caplog.at_level(logging.INFO, logger=moe_plan.__name__):
+        assert moe_plan.plan_for(config).exchange.name == moe_plan.ALLTOALL
+        moe_plan.plan_for(config).log_choices()
+        moe_plan.plan_for(config).log_choices()
     said = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert [r.getMessage() for r in said] == [sx.EP1_NOTHING_TO_EXCHANGE]  # once per process
+    assert [r.getMessage() for r in said] == [moe_plan.EP1_NOTHING_TO_EXCHANGE]  # once per process
     assert "--moe-symmetric-exchange" in said[0].getMessage() and "EP > 1" in said[0].getMessage()
     with pytest.raises(ValueError, match="moe_symmetric_exchange.*alltoall"):
         PatchedTransformerConfig(**_config(moe_token_dispatcher_type="allgather"))
 
 
-def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(monkeypatch, fused_permute_kernels):
+def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(hopper_node, monkeypatch):
     """The exchange lands rows grouped by local expert: at EP 2 the dispatcher skips the chunk
     sort when (and because) it has an exchange; without one it sorts as megatron-core does."""
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
     from megatron.moe_patches.dispatch import dispatchers
 
-    def stock_init(self, *args, **kwargs):  # megatron-core's own needs CUDA streams
-        self.config, self.ep_group, self.ep_size, self.tp_size = kwargs["config"], "ep-group", 2, 1
-
-    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "__init__", stock_init)
+    _stub_stock_alltoall(monkeypatch)
     asked = []
     exchange = object()
-    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, ep: asked.append((g, ep)) or exchange)
-    config = _exchange_config()
-    dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=config)
-    assert dispatcher.exchange.symmetric is exchange and asked == [("ep-group", 2)]
+    from megatron.moe_patches.dispatch import exchanges
+
+    monkeypatch.setattr(exchanges, "SymmetricExchange", lambda group, topk: asked.append((group, topk)) or exchange)
+    dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
+    assert dispatcher.exchange.symmetric is exchange and asked == [("ep-group", 8)]
     assert dispatcher.exchange.lands_grouped_by_local_expert
-    monkeypatch.setattr(dispatchers, "symmetric_exchange_for", lambda c, g, ep: None)
-    assert not dispatchers.PatchedAlltoAllTokenDispatcher(config=config).exchange.lands_grouped_by_local_expert
+    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: "no CUDA device")
+    assert not dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config()).exchange.lands_grouped_by_local_expert
 
 
 def test_a_plan_is_sized_from_tokens_times_topk(monkeypatch):

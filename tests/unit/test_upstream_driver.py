@@ -166,11 +166,11 @@ def test_the_legacy_field_is_still_named_where_megatron_core_has_it():
 
 
 def test_the_padding_plan_reads_a_config_without_the_legacy_field():
-    from megatron.moe_patches.experts.padding import _fused_permute_pad_blocker
+    from megatron.moe_patches.plan import fused_permute_pad_blocker
 
     config = WithoutLegacyField(real_config(), moe_permute_fusion=True)
-    assert _fused_permute_pad_blocker(config) is None
-    assert "TE grouped experts" in _fused_permute_pad_blocker(WithoutLegacyField(config, moe_grouped_gemm=False))
+    assert fused_permute_pad_blocker(config) is None
+    assert "TE grouped experts" in fused_permute_pad_blocker(WithoutLegacyField(config, moe_grouped_gemm=False))
 
 
 # --- the mock data's tokenizer --------------------------------------------------------------

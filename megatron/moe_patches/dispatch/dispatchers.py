@@ -2,8 +2,8 @@
 in ``__init__``: an exchange (``exchanges``) and a permute step (``permute_pad``).
 
 - ``PatchedAllGatherTokenDispatcher``: exchange ``AllGather`` (megatron-core's); permute
-  step plain, padded (F1: permute+pad in one pass when ``padding_plan`` gives the
-  dispatcher the padding) or device-counted (F8 with one rank and no TP: every expert is
+  step plain, padded (F1: permute+pad in one pass when the plan gives the dispatcher the
+  padding) or device-counted (F8 with one rank and no TP: every expert is
   local, so the permuted row count is tokens x top-k, known without the GPU, and the
   counts stay on the device).
 - ``PatchedAlltoAllTokenDispatcher``: exchange NCCL's all-to-all (megatron-core's; with
@@ -13,8 +13,9 @@ in ``__init__``: an exchange (``exchanges``) and a permute step (``permute_pad``
 - The flex dispatcher's patched part is its HybridEP manager (F2, ``hybridep_blocks``);
   F1 and F8 do not apply to it (HybridEP pads and counts on device itself).
 
-The methods below only hand each phase to the exchange or the permute step: no option is
-re-checked per call.
+Both are built from the config's plan (``plan.plan_for``), which decides them; the methods
+below only hand each phase to the exchange or the permute step: no option is re-checked per
+call.
 """
 
 import torch
@@ -23,29 +24,17 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
-from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.dispatch.exchanges import AllGather, alltoall_exchange
 from megatron.moe_patches.dispatch.permute_pad import DeviceCountPermute, PaddedPermute, PlainPermute
-from megatron.moe_patches.experts.padding import padding_plan
-from megatron.moe_patches.dispatch.symmetric_exchange import symmetric_exchange_for
+from megatron.moe_patches.plan import plan_for
 
 
-def allgather_keeps_counts_on_device(config, ep_size: int, tp_size: int) -> bool:
-    """F8 for the allgather dispatcher: only where the permuted row count is tokens x top-k."""
-    return (
-        bool(patch_option(config, "moe_device_tokens_per_expert"))
-        and _fused_pad_align(config) is None
-        and ep_size == 1
-        and tp_size == 1
-        and config.moe_permute_fusion
-        and config.moe_expert_capacity_factor is None
-        and not config.moe_router_padding_for_quantization
-    )
-
-
-def _fused_pad_align(config):
-    plan = padding_plan(config)
-    return plan.align if plan.dispatcher_pads else None
+def _exchange_plan(dispatcher):
+    """The config's plan for this dispatcher, made for the sizes its process groups have."""
+    plan = plan_for(dispatcher.config)
+    plan.check_parallel_sizes(dispatcher.ep_size, dispatcher.tp_size)
+    plan.log_choices()
+    return plan.exchange
 
 
 def alltoall_permute_step(config, pad_align):
@@ -54,8 +43,8 @@ def alltoall_permute_step(config, pad_align):
 
 
 def allgather_permute_step(config, pad_align, counts_on_device: bool):
-    """F1's padded permute, F8's device-counted one (``allgather_keeps_counts_on_device``),
-    else megatron-core's."""
+    """F1's padded permute, F8's device-counted one (the plan's ``device_counts``), else
+    megatron-core's."""
     if pad_align is not None:
         return PaddedPermute(pad_align)
     if counts_on_device:
@@ -69,11 +58,8 @@ class PatchedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.permute_step = allgather_permute_step(
-            self.config,
-            _fused_pad_align(self.config),
-            allgather_keeps_counts_on_device(self.config, self.ep_size, self.tp_size),
-        )
+        choice = _exchange_plan(self)
+        self.permute_step = allgather_permute_step(self.config, choice.pad_align, choice.device_counts)
         self.pad_offsets = None
         self.exchange = AllGather()
         self.local_experts = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
@@ -110,14 +96,10 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.permute_step = alltoall_permute_step(self.config, _fused_pad_align(self.config))
+        choice = _exchange_plan(self)
+        self.permute_step = alltoall_permute_step(self.config, choice.pad_align)
         self.pad_offsets = None
-        self.exchange = alltoall_exchange(
-            symmetric_exchange_for(self.config, self.ep_group, self.ep_size),
-            counts_on_device=bool(patch_option(self.config, "moe_device_tokens_per_expert")),
-            ep_size=self.ep_size,
-            tp_size=self.tp_size,
-        )
+        self.exchange = alltoall_exchange(choice, self.ep_group, self.config.moe_router_topk)
 
     # --- the pipeline (one for every configuration) -------------------------------------
 

@@ -28,6 +28,9 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
+from megatron.moe_patches.dispatch.symmetric_exchange import SymmetricExchange
+from megatron.moe_patches.plan import SYMMETRIC_MEMORY
+
 # The stock methods the NCCL exchanges run on the dispatcher (``d`` is always one of our
 # subclasses; calling through the stock class keeps its overrides out of the way).
 _ALLTOALL = MoEAlltoAllTokenDispatcher
@@ -172,14 +175,15 @@ class SymmetricMemoryAllToAll(AlltoAllExchange):
         return self.symmetric.combine(d.exchange_plan, y_RH)
 
 
-def alltoall_exchange(symmetric, counts_on_device: bool, ep_size: int, tp_size: int) -> AlltoAllExchange:
-    """The alltoall dispatcher's exchange: the symmetric one where the dispatcher got one
-    (``symmetric_exchange_for``), else NCCL's, F8 keeping the counts on the device."""
-    if symmetric is not None:
-        return SymmetricMemoryAllToAll(symmetric)
-    if not counts_on_device:
+def alltoall_exchange(choice, ep_group, topk: int) -> AlltoAllExchange:
+    """The alltoall dispatcher's exchange for the plan's ``choice``: the symmetric-memory one,
+    else NCCL's, F8 keeping the counts on the device (and, with one source rank and no TP,
+    skipping the identity chunk sort)."""
+    if choice.name == SYMMETRIC_MEMORY:
+        return SymmetricMemoryAllToAll(SymmetricExchange(ep_group, topk))
+    if not choice.device_counts:
         return NcclAllToAll()
-    if ep_size == 1 and tp_size == 1:
+    if choice.skips_chunk_sort:
         return NcclAllToAllOneSource()
     return NcclAllToAllDeviceCounts()
 

@@ -38,94 +38,12 @@ the EP group must be one node with peer access between its GPUs.
 """
 
 import functools
-import importlib.util
-import logging
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.fields import log_once, patch_option
-
-logger = logging.getLogger(__name__)
-
-
-def exchange_config_errors(config) -> list:
-    """What in ``config`` contradicts ``moe_symmetric_exchange`` (static: checked at config
-    validation, before any GPU work)."""
-    if not patch_option(config, "moe_symmetric_exchange"):
-        return []
-    flag = "moe_symmetric_exchange=True (--moe-symmetric-exchange)"
-    errors = []
-    if config.moe_token_dispatcher_type != "alltoall":
-        errors.append(f"{flag} replaces the alltoall dispatcher's exchange: set "
-                      f"moe_token_dispatcher_type='alltoall', not {config.moe_token_dispatcher_type!r}.")
-    if not patch_option(config, "moe_device_tokens_per_expert"):
-        errors.append(f"{flag} hands the experts device token counts: also set "
-                      "moe_device_tokens_per_expert=True (--moe-device-tokens-per-expert).")
-    if (config.expert_tensor_parallel_size or 1) > 1:
-        errors.append(f"{flag} needs expert_tensor_parallel_size=1 (it does not split tokens over TP ranks).")
-    if config.moe_expert_capacity_factor is not None or config.moe_pad_expert_input_to_capacity:
-        errors.append(f"{flag} is for dropless MoE: unset moe_expert_capacity_factor and "
-                      "moe_pad_expert_input_to_capacity.")
-    if config.moe_router_padding_for_quantization:
-        errors.append(f"{flag} needs tokens x top-k rows per rank: unset moe_router_padding_for_quantization.")
-    if not config.moe_permute_fusion:
-        errors.append(f"{flag} needs the fused permute: set moe_permute_fusion=True (--moe-permute-fusion).")
-    if config.overlap_moe_expert_parallel_comm:
-        errors.append(f"{flag} runs one exchange at a time through shared buffers: unset "
-                      "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm).")
-    return errors
-
-
-def exchange_blocker(config, ep_size: int) -> Optional[str]:
-    """Why this process cannot run the symmetric exchange for ``config`` (the rest of the
-    table after ``exchange_config_errors``), or None."""
-    from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend
-    from megatron.moe_patches.experts.table import select_backend
-    from megatron.moe_patches.experts.padding import padding_plan
-
-    if ep_size == 1:
-        return "expert parallelism is 1 (nothing to exchange)"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not cap.triton_available():
-        return "Triton is not installed"
-    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
-        return f"torch {torch.__version__} has no symmetric memory"
-    if padding_plan(config).dispatcher_pads:
-        return "the dispatcher pads each expert's rows for quantization (F1), which this exchange does not"
-    backend = select_backend(config)
-    if not issubclass(backend, GroupedMMBackend):
-        return f"the experts run the {backend.name} backend, which needs host split sizes (grouped_mm needed)"
-    return None
-
-
-EP1_NOTHING_TO_EXCHANGE = (
-    "moe_symmetric_exchange (--moe-symmetric-exchange) has nothing to exchange at "
-    "expert_model_parallel_size=1: every expert is local and the alltoall dispatcher already keeps "
-    "the token counts on the GPU (--moe-device-tokens-per-expert); the symmetric exchange runs at EP > 1 only."
-)
-
-
-def symmetric_exchange_for(config, ep_group, ep_size: int) -> Optional["SymmetricExchange"]:
-    """The exchange the alltoall dispatcher uses for ``config``, or None for NCCL (the
-    reason logged once)."""
-    if not patch_option(config, "moe_symmetric_exchange"):
-        return None
-    if ep_size == 1:
-        # Accepted (a recipe or a checkpoint's restored args may carry it to an EP 1 run, and
-        # exchange_config_errors holds at every EP size), but said: it exchanges nothing here.
-        log_once(logger, logging.WARNING, EP1_NOTHING_TO_EXCHANGE)
-        return None
-    reason = exchange_blocker(config, ep_size)
-    if reason is not None:
-        log_once(logger, logging.WARNING,
-                 f"moe_symmetric_exchange: the expert-parallel exchange stays NCCL's all-to-all because {reason}")
-        return None
-    log_once(logger, logging.INFO, f"moe_symmetric_exchange: EP={ep_size} tokens go through symmetric memory")
-    return SymmetricExchange(ep_group, config.moe_router_topk)
-
+# Whether this exchange runs for a config (and why not) is the plan's to say
+# (``plan.symmetric_exchange_blocker``, ``plan.exchange_config_errors``).
 
 # --- where rows go --------------------------------------------------------------------------
 

@@ -1,13 +1,15 @@
 """The experts' compute seam: what a backend is, and the TE backend.
 
-The one patched experts class (``experts.PatchedTEGroupedMLP``) holds one backend object,
-chosen once at construction from the config (``expert_table.select_backend``). A backend
-owns the experts' forward, ``backward_dw`` and its checkpoint hook, and says, as class
-methods, whether it can run a config (``blocker``), which quantization alignment it needs
-(``required_alignment``) and whether it can hold single grouped parameters.
+The one patched experts class (``grouped_mlp.PatchedTEGroupedMLP``) holds one backend object,
+chosen once per config by the plan (``plan.plan_for``). A backend owns the experts' forward,
+``backward_dw`` and its checkpoint hook, and declares, as class attributes, what it supports
+(precisions, activations, expert TP, device token counts, single grouped parameters, ...);
+what it needs of this process (libraries, kernels, GPU) is its ``unavailable`` class method.
+The plan combines those declarations with the config (``plan.backend_blocker``).
 
 Backends: ``te`` (here: megatron-core's own TE GroupedLinear path), ``grouped_mm``
-(``device_splits``, F8) and ``op_fuser`` (``op_fuser_grouped_mlp``, F4).
+(``grouped_mm``, F8), ``fp8_grouped_mm`` (``fp8_grouped_mm``, F10) and ``op_fuser``
+(``op_fuser``, F4).
 
 With ``moe_device_tokens_per_expert`` and a Transformer Engine whose module GroupedLinear
 takes ``m_splits_tensor`` (ROCm's TE), the ``te`` backend also hands the GPU-resident counts
@@ -25,7 +27,7 @@ Tensor names carry their shape: ``x_TH`` is [tokens, hidden], ``w_EOI`` is
 import dataclasses
 import functools
 import logging
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
@@ -35,6 +37,9 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import log_once, patch_option
 
 logger = logging.getLogger(__name__)
+
+# Precisions a backend computes in: no FP8/FP4 recipe, FP8, FP4.
+BF16, FP8, FP4 = "bf16", "FP8", "FP4"
 
 _host_copies = 0  # how many times host_tokens_per_expert copied (tests read it)
 
@@ -81,19 +86,35 @@ class ExpertBackend:
     backend keeps no reference to it: no reference cycle keeps a dropped layer alive).
     """
 
+    # What it supports, read by the plan (the defaults: anything megatron-core's TE path runs).
     name = "?"
-    holds_single_grouped_params = False
+    requested_by: Optional[str] = None  # the patch field that asks for it (a fallback is logged)
+    fallback_log_level = logging.INFO  # how loudly a fallback from it is said
+    precisions = (BF16, FP8, FP4)  # what it computes in (BF16: no FP8/FP4 recipe)
+    precision_note: Optional[str] = None  # said with a precision refusal (where that precision runs)
+    fp8_recipes: Optional[Tuple[str, ...]] = None  # FP8 recipes it implements; None: all
+    fp8_params = True  # runs with FP8 parameters (--fp8-param-gather)
+    params_dtypes: Optional[Tuple[torch.dtype, ...]] = None  # parameter dtypes; None: any
+    activations: Optional[Tuple[str, ...]] = None  # glu_activation() names it computes; None: any
+    te_activation_func = True  # runs with --use-te-activation-func
+    biases = True  # expert biases (add_bias_linear)
+    expert_tp = True  # expert tensor parallelism > 1
+    probs_on_input = True  # --moe-apply-probs-on-input
+    delayed_wgrad = True  # --delay-wgrad-compute (backward_dw computes the weight gradients)
+    activation_offloading = True  # --cpu-offloading / --fine-grained-activation-offloading
+    activation_recompute = True  # selective recompute of moe_act
+    holds_single_grouped_params = False  # moe_single_grouped_weight/_bias (F5)
+    takes_device_counts = False  # reads device token counts without a host sync (graph-safe, F11/F12)
+    alignment: Optional[int] = None  # rows per expert under FP8/FP4 where not the recipe's (1: any)
 
     @classmethod
-    def blocker(cls, config) -> Optional[str]:
-        """Why this backend cannot run ``config``, or None when it can."""
+    def unavailable(cls, config) -> Optional[str]:
+        """What this process lacks to run it for ``config`` (libraries, kernels, GPU), or None."""
         return None
 
     @classmethod
     def required_alignment(cls, config) -> Optional[int]:
-        """Rows per expert this backend needs under FP8/FP4 when it differs from the
-        recipe's own GEMM alignment, else None."""
-        return None
+        return cls.alignment
 
     # megatron-core's own methods (apply() binds the experts' spec to the patched class,
     # never this name).

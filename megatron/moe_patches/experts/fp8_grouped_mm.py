@@ -44,6 +44,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.experts.backend import FP8
 from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups
 
 E4M3_MAX = 448.0
@@ -376,26 +377,20 @@ class FP8GroupedMMBackend(GroupedMMBackend):
     """Sync-free FP8 experts: one torch._scaled_grouped_mm per FC (tensorwise recipe, sm90)."""
 
     name = "fp8_grouped_mm"
+    precisions = (FP8,)
+    precision_note = "bf16 runs the grouped_mm backend"
+    fp8_recipes = ("tensorwise",)
+    alignment = 1  # the FP8 grouped GEMM takes any rows per expert: nobody pads
 
     @classmethod
-    def precision_blocker(cls, config) -> Optional[str]:
-        if not config.fp8:
-            return "it computes FP8 only (bf16 runs the grouped_mm backend)"
-        if config.fp8_recipe != "tensorwise":
-            return f"--fp8-recipe {config.fp8_recipe}: it implements tensorwise (current) scaling only"
-        if config.fp8_param:
-            return "--fp8-param-gather keeps FP8 parameters, which TE owns"
+    def unavailable(cls, config) -> Optional[str]:
         if not hasattr(torch, "_scaled_grouped_mm"):
             return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
         if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
             return "torch's FP8 grouped GEMM runs on Hopper (sm90) only"
         if not cap.triton_available():
             return "it needs Triton"
-        return None
-
-    @classmethod
-    def required_alignment(cls, config) -> Optional[int]:
-        return 1  # the FP8 grouped GEMM takes any rows per expert: nobody pads
+        return super().unavailable(config)
 
     def __init__(self, experts):
         super().__init__(experts)

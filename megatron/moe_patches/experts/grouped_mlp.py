@@ -1,25 +1,26 @@
 """The one patched experts class: megatron-core's ``TEGroupedMLP`` with a compute backend
 and a padding plan, both chosen once at construction.
 
-- ``self.padding_plan`` (``routed_expert_padding.padding_plan``, F3): the experts pad their
-  tokens themselves only when no earlier stage did, to the alignment the plan names;
-  otherwise TE's Fp8Padding/Fp8Unpadding become pass-throughs.
-- ``self.backend`` (``expert_table.select_backend``): ``te`` (megatron-core's path),
-  ``grouped_mm`` (F8, sync-free) or ``op_fuser`` (F4). It owns ``forward``,
-  ``backward_dw`` and the sharded-state-dict hook.
-- Single grouped parameters (F5) are refused here, by the table's one rule, when the
+Both are read from the config's plan (``plan.plan_for``), which decides them:
+
+- ``self.padding_plan`` (F3): the experts pad their tokens themselves only when no earlier
+  stage did, to the alignment the plan names; otherwise TE's Fp8Padding/Fp8Unpadding
+  become pass-throughs.
+- ``self.backend``: ``te`` (megatron-core's path), ``grouped_mm`` (F8, sync-free),
+  ``fp8_grouped_mm`` (F10) or ``op_fuser`` (F4). It owns ``forward``, ``backward_dw``
+  and the sharded-state-dict hook.
+- Single grouped parameters (F5) are refused here, by the plan's one rule, when the
   chosen backend cannot hold them.
 
-Installed by F3 (``apply()`` binds the experts' layer spec to it: the registry says where); F4, F5 and F8 are its
-backends and options and require F3.
+Installed by F3 (``apply()`` binds the experts' layer spec to it: the registry says
+where); F4, F5 and F8 are its backends and options and require F3.
 """
 
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
-from megatron.moe_patches.experts.table import select_backend, single_grouped_refusal
-from megatron.moe_patches.experts.padding import padding_plan
+from megatron.moe_patches.plan import plan_for
 
 
 class _AlreadyPadded(torch.nn.Module):
@@ -38,17 +39,17 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
     """TE grouped experts whose compute backend and padding are fixed at construction."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        backend_class = select_backend(config)
+        plan = plan_for(config)
         # The backend picks FC1's and FC2's classes (TE's device splits) before stock builds them.
-        submodules = backend_class.expert_submodules(config, submodules)
+        submodules = plan.backend.expert_submodules(config, submodules)
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
-        refusal = single_grouped_refusal(config)
-        if refusal is not None:
-            raise ValueError(refusal)
-        self.padding_plan = padding_plan(config)
+        if plan.single_grouped_refusal is not None:
+            raise ValueError(plan.single_grouped_refusal)
+        plan.log_choices()
+        self.padding_plan = plan.padding
         if hasattr(self, "quantization_padding"):  # FP8/FP4: stock built TE's padding modules
             self._fit_quantization_padding(num_local_experts)
-        self.backend = backend_class(self)
+        self.backend = plan.backend(self)
 
     def _fit_quantization_padding(self, num_local_experts):
         if not self.padding_plan.experts_pad:

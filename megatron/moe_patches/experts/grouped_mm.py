@@ -7,7 +7,7 @@ With ``moe_device_tokens_per_expert`` (or ``NVTE_USE_GROUPED_GEMM_TRITON=1``):
   host sync that existed only for that copy: with EP = 1 the dispatcher never waits for
   the GPU; with EP > 1 it keeps the one sync the all-to-all's split sizes need
   (``before_ep_alltoall``);
-- the experts run this module's ``GroupedMMBackend`` where it can (``blocker``): FC1
+- the experts run this module's ``GroupedMMBackend`` where the plan lets it (``plan.py``): FC1
   and FC2 as one ``torch._grouped_mm`` each over all local experts, with device offsets
   (no host sync), and megatron-core's fused router-prob-weighted SwiGLU / quick-GEGLU
   between them; expert biases as the TE experts apply them (FC2's scaled by the router
@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from megatron.moe_patches.experts.backend import ExpertBackend, glu_activation, run_forward_pre_hooks
+from megatron.moe_patches.experts.backend import BF16, ExpertBackend, run_forward_pre_hooks
 from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
 from megatron.moe_patches.experts.grouped_params import make_grouped
@@ -110,43 +110,28 @@ def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec, b1_
 class GroupedMMBackend(ExpertBackend):
     """Sync-free experts: one torch._grouped_mm per FC over all local experts (bf16).
 
-    Subclasses that compute in another precision override ``precision_blocker`` and
-    ``linear`` (``fp8_grouped_mm.FP8GroupedMMBackend``)."""
+    Subclasses that compute in another precision override the precision declarations,
+    ``unavailable`` and ``linear`` (``fp8_grouped_mm.FP8GroupedMMBackend``)."""
 
     name = "grouped_mm"
+    requested_by = "moe_device_tokens_per_expert"
+    precisions = (BF16,)
+    precision_note = "FP8 tensorwise runs the fp8_grouped_mm backend"
+    fp8_params = False
+    params_dtypes = (torch.bfloat16,)
+    activations = ("swiglu", "quick_geglu")
+    expert_tp = False
+    probs_on_input = False
+    delayed_wgrad = False  # TE's delayed wgrad step would find nothing to compute
+    activation_offloading = False
+    activation_recompute = False
     holds_single_grouped_params = True
+    takes_device_counts = True
 
     @classmethod
-    def precision_blocker(cls, config) -> Optional[str]:
-        if config.fp8 or config.fp4:
-            return "it computes in bf16 only (FP8 tensorwise runs the fp8_grouped_mm backend)"
-        return None
-
-    @classmethod
-    def blocker(cls, config) -> Optional[str]:
-        if not patch_option(config, "moe_device_tokens_per_expert"):
-            return "moe_device_tokens_per_expert is off"
+    def unavailable(cls, config) -> Optional[str]:
         if not hasattr(torch, "_grouped_mm"):
             return f"torch {torch.__version__} has no torch._grouped_mm"
-        precision = cls.precision_blocker(config)
-        if precision is not None:
-            return precision
-        if config.params_dtype is not torch.bfloat16:
-            return f"it needs bf16 parameters (params_dtype={config.params_dtype})"
-        if glu_activation(config) is None:
-            return "it supports SwiGLU and quick-GEGLU experts only"
-        if (config.expert_tensor_parallel_size or 1) > 1:
-            return "expert tensor parallelism > 1"
-        if config.moe_apply_probs_on_input:
-            return "--moe-apply-probs-on-input"
-        if config.delay_wgrad_compute:  # TE's delayed wgrad step would find nothing to compute
-            return "--delay-wgrad-compute: it computes the experts' weight gradients in its own backward"
-        if patch_option(config, "use_transformer_engine_op_fuser"):
-            return "the op fuser owns the experts' compute"
-        if config.fine_grained_activation_offloading or (
-            config.recompute_granularity == "selective" and "moe_act" in (config.recompute_modules or [])
-        ):
-            return "activation offloading/recompute of the experts"
         if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
             return "it needs a Hopper (sm90) or newer GPU"
         return None

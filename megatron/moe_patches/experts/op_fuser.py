@@ -1,6 +1,6 @@
 """F4: the TE grouped experts as one ``transformer_engine.pytorch.ops`` pipeline.
 
-With ``use_transformer_engine_op_fuser`` the experts (``experts.PatchedTEGroupedMLP``)
+With ``use_transformer_engine_op_fuser`` the experts (``grouped_mlp.PatchedTEGroupedMLP``)
 run this module's ``OpFuserBackend``:
 
     GroupedLinear (FC1) -> ScaledSwiGLU | ScaledClampedQGeGLU (x router probs) -> GroupedLinear (FC2)
@@ -18,19 +18,21 @@ runs its basic ops elsewhere (Hopper): upstream megatron-core refuses Hopper ins
   original ``linear_fc1``/``linear_fc2`` modules, so each gradient is reduced once
   (the ops' own hook lists stay empty: registering on both reduces twice, #4311).
 - Anything the pipeline cannot do exactly falls back, at construction, to the unfused
-  path with one log line naming the reason (``OpFuserBackend.blocker``).
+  path with one log line naming the reason (the plan reads ``OpFuserBackend``'s
+  declarations and ``unavailable``).
 - Under FP8 where TE fuses the whole MLP into one kernel (SM100), groups are aligned to
   256 rows (``required_alignment``); on Hopper the recipe's own alignment.
 
 Upstream: NVIDIA/Megatron-LM#3890, #4095, #4219, #4311 (combined in #4636).
 """
 
+import logging
 from typing import Optional
 
 import torch
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.experts.backend import ExpertBackend, glu_activation, host_tokens_per_expert
+from megatron.moe_patches.experts.backend import BF16, FP8, ExpertBackend, glu_activation, host_tokens_per_expert
 from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.experts.glu_interleave import concatenated_factory, interleave_parameters
 
@@ -45,41 +47,33 @@ class OpFuserBackend(ExpertBackend):
     """The experts as one te.ops pipeline: GroupedLinear -> scaled GLU -> GroupedLinear."""
 
     name = "op_fuser"
+    requested_by = "use_transformer_engine_op_fuser"
+    fallback_log_level = logging.WARNING  # asked for by name: its absence is worth a warning
+    precisions = (BF16, FP8)
+    precision_note = "FP4 recipes run the te backend"
+    fp8_params = False
+    activations = ("swiglu", "quick_geglu")
+    te_activation_func = False  # it computes megatron-core's own GLU (TE's scaled GLU ops)
+    expert_tp = False
+    probs_on_input = False
+    activation_offloading = False
+    activation_recompute = False
+    # Single grouped parameters would need TE's grouped-tensor GroupedLinear path (Hopper:
+    # cuBLASLt >= 13.4; Blackwell: >= 13.3), which this version does not drive yet.
+    holds_single_grouped_params = False
 
     @classmethod
-    def blocker(cls, config) -> Optional[str]:
-        if not patch_option(config, "use_transformer_engine_op_fuser"):
-            return "use_transformer_engine_op_fuser is off"
-        activation = glu_activation(config)
-        offloaded = set(config.offload_modules or []) if config.fine_grained_activation_offloading else set()
+    def unavailable(cls, config) -> Optional[str]:
         if not cap.te_op_fuser_grouped_mlp():
             return f"Transformer Engine {cap.te_version()} has no te.pytorch.ops GroupedLinear/ScaledSwiGLU"
-        if activation is None or config.use_te_activation_func:
-            return "the experts' activation is not SwiGLU or quick-GEGLU (megatron-core's own)"
-        if cap.te_attr(f"ops.{SCALED_GLU_OPS[activation]}") is None:
-            return f"Transformer Engine {cap.te_version()} has no te.pytorch.ops.{SCALED_GLU_OPS[activation]}"
+        scaled_glu = SCALED_GLU_OPS.get(glu_activation(config))
+        if scaled_glu is not None and cap.te_attr(f"ops.{scaled_glu}") is None:
+            return f"Transformer Engine {cap.te_version()} has no te.pytorch.ops.{scaled_glu}"
         if config.add_bias_linear and not cap.te_ops_grouped_linear_has("scale_bias"):
             return f"Transformer Engine {cap.te_version()}'s ops.GroupedLinear cannot scale the FC2 bias by probs"
         interleave = patch_option(config, "moe_mlp_glu_interleave_size")
         if interleave and interleave % 32:
             return f"moe_mlp_glu_interleave_size={interleave}: TE's scaled GLU kernels need a multiple of 32"
-        if (config.expert_tensor_parallel_size or 1) > 1:
-            return "expert tensor parallelism > 1"
-        if config.moe_apply_probs_on_input:
-            return "--moe-apply-probs-on-input"
-        if offloaded & {"expert_fc1", "moe_act"} or config.cpu_offloading:
-            return "activation offloading of the experts"
-        if config.recompute_granularity == "selective" and "moe_act" in (config.recompute_modules or []):
-            return "recompute of the experts' activation (moe_act)"
-        if config.fp4:
-            return "FP4 recipes"
-        if config.fp8_param:
-            return "FP8 parameters (--fp8-param-gather)"
-        if patch_option(config, "moe_single_grouped_weight") or patch_option(config, "moe_single_grouped_bias"):
-            return (
-                "single grouped parameters need TE's grouped-tensor GroupedLinear path (Hopper: "
-                "cuBLASLt >= 13.4; Blackwell: >= 13.3), which this version does not drive yet"
-            )
         return None
 
     @classmethod

@@ -6,11 +6,12 @@ router's counts stay on the device (F8), the alltoall/allgather dispatchers size
 buffer from tokens x top-k (``dispatchers.py``), and the ``grouped_mm`` / ``fp8_grouped_mm``
 experts take device offsets. At EP > 1 F12's exchange keeps that true: its received tensors
 have a static bound, its counts are all-gathered on the device, and its symmetric buffers
-are allocated in the warm-up runs, before the capture. Such a layer can be captured;
-``graph_blocker`` says why not where it cannot (the one table validation and capture both read).
+are allocated in the warm-up runs, before the capture. Such a layer can be captured; the
+config's plan says why not where it cannot (``plan.plan_for(config).graph_blocker``, which
+validation and capture both read).
 
 megatron-core 0.16.1 refuses ``cuda_graph_scope=moe`` for dropless MoE; the patched
-config accepts it when ``graph_blocker`` is silent and refuses it by name otherwise.
+config accepts it when the plan's ``graph_blocker`` is None and refuses it by name otherwise.
 
 Why the patch set captures the layer itself (``MoELayerGraphs``) instead of handing it
 to megatron-core's local graph manager or ``torch.cuda.make_graphed_callables``: both
@@ -58,63 +59,11 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
-from megatron.moe_patches.experts.table import backend_support, select_backend
-from megatron.moe_patches.fields import patch_option
-from megatron.moe_patches.dispatch.symmetric_exchange import exchange_blocker
+from megatron.moe_patches.plan import plan_for
 
 # The stock objects, kept before apply() binds megatron-core's names to this module's.
 _STOCK_TE_HELPER = mcore_graphs.TECudaGraphHelper
 _STOCK_CREATE_CUDAGRAPHS = mcore_graphs.create_cudagraphs
-
-
-GRAPH_SAFE_BACKENDS = ("grouped_mm", "fp8_grouped_mm")
-
-
-def graph_blocker(config) -> Optional[str]:
-    """Why this config's MoE layer cannot be captured as one CUDA graph, or None."""
-    if config.num_moe_experts is None:
-        return "it has no MoE layer (num_moe_experts is not set)"
-    if not patch_option(config, "moe_device_tokens_per_expert"):
-        return "the MoE layer copies token counts to the host: set --moe-device-tokens-per-expert"
-    if config.expert_model_parallel_size > 1:
-        ep = f"--expert-model-parallel-size {config.expert_model_parallel_size}"
-        if not patch_option(config, "moe_symmetric_exchange"):
-            return (f"{ep}: NCCL's all-to-all takes host split sizes; add --moe-symmetric-exchange (F12) "
-                    "or use EP 1")
-        reason = exchange_blocker(config, config.expert_model_parallel_size)
-        if reason is not None:
-            return f"{ep}: the symmetric exchange cannot run here ({reason})"
-    if config.tensor_model_parallel_size > 1 or (config.expert_tensor_parallel_size or 1) > 1:
-        return "tensor parallelism > 1 (the dispatchers gather with host split sizes)"
-    if config.pipeline_model_parallel_size > 1:
-        return ("pipeline parallelism: micro-batches in flight would share the graph's static "
-                "buffers")
-    if config.moe_token_dispatcher_type not in ("alltoall", "allgather"):
-        return f"the {config.moe_token_dispatcher_type} dispatcher (graph-safe: alltoall, allgather)"
-    if not config.moe_permute_fusion:
-        return "the unfused permute selects tokens with a host sync: set --moe-permute-fusion"
-    if config.moe_expert_capacity_factor is not None:
-        return ("token dropping (--moe-expert-capacity-factor); megatron-core's own graphs cover "
-                "drop-and-pad")
-    if config.moe_router_padding_for_quantization:
-        return "--moe-router-padding-for-quantization sizes the routing map on the host"
-    if config.moe_input_jitter_eps:
-        return "--moe-input-jitter-eps draws random numbers inside the layer"
-    if config.moe_shared_expert_overlap:
-        return "--moe-shared-expert-overlap runs the shared experts on a side stream"
-    if config.fp8 and config.moe_shared_expert_intermediate_size:
-        return "shared experts under FP8 keep Transformer Engine's FP8 state, which this capture does not manage"
-    recomputed = set(config.recompute_modules or []) & {"moe", "moe_act", "shared_experts"}
-    if config.recompute_granularity == "full" or (config.recompute_granularity == "selective" and recomputed):
-        return "recompute of the MoE layer (--recompute-granularity / --recompute-modules)"
-    if config.cpu_offloading or config.fine_grained_activation_offloading:
-        return "activation offloading"
-    backend = select_backend(config)
-    if backend.name not in GRAPH_SAFE_BACKENDS:
-        why = "; ".join(f"{name}: {reason}" for name, reason in backend_support(config).items()
-                        if name in GRAPH_SAFE_BACKENDS and reason)
-        return f"the {backend.name} expert backend takes host token counts ({why})"
-    return None
 
 
 def graphs_dropless_moe(config) -> bool:
@@ -199,7 +148,7 @@ class MoELayerGraphs:
     def __init__(self, layers: Sequence[torch.nn.Module], sample_TBH: torch.Tensor,
                  context: Optional[Callable[[], contextlib.AbstractContextManager]] = None, warmup: int = 3):
         for layer in layers:
-            reason = graph_blocker(layer.config)
+            reason = plan_for(layer.config).graph_blocker
             if reason is not None:
                 raise ValueError(f"cuda_graph_scope=moe cannot capture this MoE layer: {reason}.")
         self.layers = list(layers)
@@ -372,7 +321,7 @@ class MoEScopeGraphHelper:
     def __init__(self, model, config, seq_length, micro_batch_size, optimizers=()):
         self.config = config
         self.layers = moe_layers(model)
-        # Tokens per micro-batch as the MoE layer sees them (TP > 1 is refused by graph_blocker).
+        # Tokens per micro-batch as the MoE layer sees them (TP > 1 is refused by the plan's graph_blocker).
         self.shape = (seq_length // config.context_parallel_size, micro_batch_size, config.hidden_size)
         self.graphs: Optional[MoELayerGraphs] = None
 
