@@ -29,8 +29,7 @@ from megatron.moe_patches.fields import (
     log_once,
     uses_legacy_grouped_gemm,
 )
-from megatron.moe_patches.graphs.moe_layer_graphs import graphs_dropless_moe, scope_names
-from megatron.moe_patches.plan import expert_tp_size, plan_for
+from megatron.moe_patches.plan import expert_tp_size, graphs_dropless_moe, plan_for, scope_names
 
 logger = logging.getLogger(__name__)
 

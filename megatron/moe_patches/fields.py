@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 # The seed (ROCm PR) switches device-resident splits on with this variable.
 DEVICE_SPLITS_ENV_ALIAS = "NVTE_USE_GROUPED_GEMM_TRITON"
 # The values an on/off environment variable takes; unset is off.
@@ -136,3 +138,16 @@ def uses_legacy_grouped_gemm(config) -> bool:
     """Whether ``config`` asks for megatron-core's legacy GroupedMLP experts (False where
     its TransformerConfig has no such field)."""
     return bool(getattr(config, LEGACY_GROUPED_GEMM, False))
+
+
+def glu_activation(config) -> Optional[str]:
+    """"swiglu" or "quick_geglu" for the gated activations the fused backends compute, else None."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    if not config.gated_linear_unit:
+        return None
+    if config.activation_func is torch.nn.functional.silu:
+        return "swiglu"
+    if config.activation_func is quick_gelu:
+        return "quick_geglu"
+    return None

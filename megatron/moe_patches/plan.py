@@ -29,13 +29,13 @@ import enum
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple, Type
+from typing import List, Optional, Tuple, Type
 
 import torch
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.experts.backend import BF16, FP4, FP8, ExpertBackend, TEBackend, glu_activation
+from megatron.moe_patches.experts.backend import BF16, FP4, FP8, ExpertBackend, TEBackend
 from megatron.moe_patches.experts.fp8_grouped_mm import FP8GroupedMMBackend
 from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend
 from megatron.moe_patches.experts.op_fuser import OpFuserBackend
@@ -48,7 +48,7 @@ from megatron.moe_patches.experts.padding import (
     TE_KERNEL_NEEDED,
     PaddingPlan,
 )
-from megatron.moe_patches.fields import flag_name, log_once, patch_option, uses_legacy_grouped_gemm
+from megatron.moe_patches.fields import flag_name, glu_activation, log_once, patch_option, uses_legacy_grouped_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +308,27 @@ def _exchange(config, backend, padding: PaddingPlan, notes) -> ExchangeChoice:
 
 
 # --- CUDA graphs of the MoE layer (F11) ------------------------------------------------------
+
+
+def graphs_dropless_moe(config) -> bool:
+    """Whether the config asks for CUDA graphs of dropless MoE layers (megatron-core 0.16.1
+    graphs only drop-and-pad MoE layers; F11 graphs dropless ones)."""
+    return (
+        config.cuda_graph_impl in ("local", "transformer_engine")
+        and "moe" in scope_names(config.cuda_graph_scope)
+        and config.num_moe_experts is not None
+        and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
+    )
+
+
+def scope_names(scope) -> List[str]:
+    """megatron-core's cuda_graph_scope (a string, a CudaGraphScope, or a list of either)
+    as a list of scope names."""
+    if scope is None:
+        return []
+    items = scope.split(",") if isinstance(scope, str) else scope if isinstance(scope, (list, tuple)) else [scope]
+    return [getattr(item, "name", item) for item in items]
+
 
 
 def _graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Optional[str]:

@@ -182,7 +182,7 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_padding_decision.py, tests/gpu/test_fused_permute_pad.py",
         module="megatron.moe_patches.experts.padding",
         bindings=(
-            Binding(_SPEC_PROVIDER, "TEGroupedMLP", "megatron.moe_patches.experts.grouped_mlp:PatchedTEGroupedMLP",
+            Binding(_SPEC_PROVIDER, "TEGroupedMLP", "megatron.moe_patches.grouped_experts:PatchedTEGroupedMLP",
                     _EXPERTS_SPEC),
         ),
         requires=("C0", "F1"),

@@ -12,7 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.dispatch import dispatchers, permute_pad
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.graphs.moe_layer_graphs import scope_names
+from megatron.moe_patches.plan import scope_names
 
 BASE = dict(
     num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
@@ -363,7 +363,7 @@ def test_ep2_rows_of_the_graph_table_ask_the_exchange_with_the_ep_size(graphable
 def test_which_configs_ask_for_dropless_moe_graphs(fields, graphs):
     import copy
 
-    from megatron.moe_patches.graphs.moe_layer_graphs import graphs_dropless_moe
+    from megatron.moe_patches.plan import graphs_dropless_moe
 
     c = copy.copy(config())
     for name, value in fields.items():

@@ -286,7 +286,7 @@ def test_patched_experts_build_their_fcs_from_the_backends_submodules(te_with, m
     """PatchedTEGroupedMLP hands megatron-core's constructor the submodules its backend chose:
     the stock constructor (here a stand-in that builds FC1 and FC2 from them) makes the
     subclasses, and the backend finds them."""
-    from megatron.moe_patches.experts.grouped_mlp import PatchedTEGroupedMLP
+    from megatron.moe_patches.grouped_experts import PatchedTEGroupedMLP
 
     def stock_init(self, num_local_experts, config, submodules, pg_collection=None):
         torch.nn.Module.__init__(self)

@@ -1,6 +1,6 @@
 """The experts' compute seam: what a backend is, and the TE backend.
 
-The one patched experts class (``grouped_mlp.PatchedTEGroupedMLP``) holds one backend object,
+The one patched experts class (``grouped_experts.PatchedTEGroupedMLP``) holds one backend object,
 chosen once per config by the plan (``plan.plan_for``). A backend owns the experts' forward,
 ``backward_dw`` and its checkpoint hook, and declares, as class attributes, what it supports
 (precisions, activations, expert TP, device token counts, single grouped parameters, ...);
@@ -64,19 +64,6 @@ def run_forward_pre_hooks(modules, *args) -> None:
                 hook(module, args, {})
             else:
                 hook(module, args)
-
-
-def glu_activation(config) -> Optional[str]:
-    """"swiglu" or "quick_geglu" for the gated activations the fused backends compute, else None."""
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-    if not config.gated_linear_unit:
-        return None
-    if config.activation_func is torch.nn.functional.silu:
-        return "swiglu"
-    if config.activation_func is quick_gelu:
-        return "quick_geglu"
-    return None
 
 
 class ExpertBackend:

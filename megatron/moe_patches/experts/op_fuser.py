@@ -1,6 +1,6 @@
 """F4: the TE grouped experts as one ``transformer_engine.pytorch.ops`` pipeline.
 
-With ``use_transformer_engine_op_fuser`` the experts (``grouped_mlp.PatchedTEGroupedMLP``)
+With ``use_transformer_engine_op_fuser`` the experts (``grouped_experts.PatchedTEGroupedMLP``)
 run this module's ``OpFuserBackend``:
 
     GroupedLinear (FC1) -> ScaledSwiGLU | ScaledClampedQGeGLU (x router probs) -> GroupedLinear (FC2)
@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.experts.backend import BF16, FP8, ExpertBackend, glu_activation, host_tokens_per_expert
-from megatron.moe_patches.fields import patch_option
+from megatron.moe_patches.experts.backend import BF16, FP8, ExpertBackend, host_tokens_per_expert
+from megatron.moe_patches.fields import glu_activation, patch_option
 from megatron.moe_patches.experts.glu_interleave import concatenated_factory, interleave_parameters
 
 # te.pytorch.ops class computing each GLU activation with a per-row scale.

@@ -11,7 +11,7 @@ multiple of and which stage pads:
 - ``experts``: the experts pad themselves (TE's Fp8Padding), as stock megatron-core does;
 - ``nobody``: bf16 needs no alignment, nor a backend that takes any row count.
 
-The dispatchers (``dispatch/dispatchers.py``) and the experts (``grouped_mlp.py``) both read
+The dispatchers (``dispatch/dispatchers.py``) and the experts (``grouped_experts.py``) both read
 the plan at construction, so the stage that pads and the stage that must not always agree;
 the experts skip their own padding whenever an earlier stage aligned the tokens
 (``PaddingPlan.earlier_stage_pads``, upstream's ``skip_routed_expert_padding``). Padding

@@ -59,31 +59,11 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
-from megatron.moe_patches.plan import plan_for
+from megatron.moe_patches.plan import graphs_dropless_moe, plan_for, scope_names
 
 # The stock objects, kept before apply() binds megatron-core's names to this module's.
 _STOCK_TE_HELPER = mcore_graphs.TECudaGraphHelper
 _STOCK_CREATE_CUDAGRAPHS = mcore_graphs.create_cudagraphs
-
-
-def graphs_dropless_moe(config) -> bool:
-    """Whether the config asks for CUDA graphs of dropless MoE layers (megatron-core 0.16.1
-    graphs only drop-and-pad MoE layers; F11 graphs dropless ones)."""
-    return (
-        config.cuda_graph_impl in ("local", "transformer_engine")
-        and "moe" in scope_names(config.cuda_graph_scope)
-        and config.num_moe_experts is not None
-        and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
-    )
-
-
-def scope_names(scope) -> List[str]:
-    """megatron-core's cuda_graph_scope (a string, a CudaGraphScope, or a list of either)
-    as a list of scope names."""
-    if scope is None:
-        return []
-    items = scope.split(",") if isinstance(scope, str) else scope if isinstance(scope, (list, tuple)) else [scope]
-    return [getattr(item, "name", item) for item in items]
 
 
 # --- the capture --------------------------------------------------------------------------

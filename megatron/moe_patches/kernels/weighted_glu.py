@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.experts.backend import glu_activation
+from megatron.moe_patches.fields import glu_activation
 
 QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(1.702 x), as megatron-core defines it
 
