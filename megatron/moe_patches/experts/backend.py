@@ -20,8 +20,7 @@ right before megatron-core's forward runs. The host list is still made, once per
 that GroupedLinear reads it on the host too (output rows, kernel launch grid, and the
 per-expert split outside its Triton path), so a placeholder list would give wrong results.
 
-Tensor names carry their shape: ``x_TH`` is [tokens, hidden], ``w_EOI`` is
-[experts, out, in], ``tokens_per_expert_E`` is [experts].
+Tensor names carry their shape (the legend is in README.md, "The series").
 """
 
 import dataclasses
