@@ -137,7 +137,8 @@ def _layer_refusal(backend, config) -> Optional[str]:
     if recomputed and not backend.activation_recompute:
         return "recompute of the experts' activation (moe_act)"
     if any(patch_option(config, f) for f in SINGLE_GROUPED) and not backend.holds_single_grouped_params:
-        return "single grouped parameters (--moe-single-grouped-weight / --moe-single-grouped-bias): it keeps one per expert"
+        return ("single grouped parameters (--moe-single-grouped-weight / --moe-single-grouped-bias): "
+                f"{backend.single_grouped_missing}")
     return None
 
 

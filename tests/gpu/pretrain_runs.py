@@ -117,10 +117,16 @@ def tensors(ckpt_root, iteration=STEPS):
 
 
 def differences(a, b, tensors_only=False):
-    """Checkpoint entries that differ; the runs' own args (common state) are not compared.
+    """Checkpoint entries that differ; each run's own args and expert parameter layout (common
+    state: F7 records the layout beside the optimizer's states) are not compared.
     ``tensors_only``: also skip the plain values, whose nesting follows the optimizer chain."""
-    a = {k: v for k, v in a.items() if not k.startswith("args.") and (torch.is_tensor(v) or not tensors_only)}
-    b = {k: v for k, v in b.items() if not k.startswith("args.") and (torch.is_tensor(v) or not tensors_only)}
+    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_KEY
+
+    def compared(entries):
+        return {k: v for k, v in entries.items() if not k.startswith("args.") and LAYOUT_KEY not in k.split(".")
+                and (torch.is_tensor(v) or not tensors_only)}
+
+    a, b = compared(a), compared(b)
     if a.keys() != b.keys():
         return [f"keys differ: {sorted(a.keys() ^ b.keys())[:6]}"]
     return [k for k in a if not (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k])]

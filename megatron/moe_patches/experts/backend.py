@@ -90,6 +90,7 @@ class ExpertBackend:
     activation_offloading = True  # --cpu-offloading / --fine-grained-activation-offloading
     activation_recompute = True  # selective recompute of moe_act
     holds_single_grouped_params = False  # moe_single_grouped_weight/_bias (F5)
+    single_grouped_missing = "it keeps one parameter per expert"  # why not, where it does not
     takes_device_counts = False  # reads device token counts without a host sync (graph-safe, F11/F12)
     alignment: Optional[int] = None  # rows per expert under FP8/FP4 where not the recipe's (1: any)
 

@@ -58,9 +58,9 @@ class OpFuserBackend(ExpertBackend):
     probs_on_input = False
     activation_offloading = False
     activation_recompute = False
-    # Single grouped parameters would need TE's grouped-tensor GroupedLinear path (Hopper:
-    # cuBLASLt >= 13.4; Blackwell: >= 13.3), which this version does not drive yet.
     holds_single_grouped_params = False
+    single_grouped_missing = ("they need TE's grouped-tensor GroupedLinear path (Hopper: cuBLASLt >= 13.4; "
+                              "Blackwell: >= 13.3), which this version does not drive yet")
 
     @classmethod
     def unavailable(cls, config) -> Optional[str]:
