@@ -2,20 +2,21 @@
 
 Each entry names the module that implements it (``module``), the named bindings ``apply()``
 sets for it (``bindings``: which megatron-core module or class attribute, to what, and why
-megatron-core has no seam there; the whole list is short), its config fields, the upstream pull requests it brings, what it
-needs from Transformer Engine (a capability probe, not a version guess), a
+megatron-core has no seam there; the whole list is short), its config fields, the upstream
+pull requests it brings, what it needs from Transformer Engine (a capability probe, not a version guess), a
 ``native`` probe that recognises a megatron-core which already has it, its page
 under ``patches/`` and the tests that prove it.
 
-The patched classes: ``config`` (C0), ``dispatchers`` (F1: one class per stock
-dispatcher), ``experts`` (F3: the one experts class; F4, F5, F8 and F10 are its backends
-and options, so they require F3 and install nothing of their own), ``hybridep_blocks`` (F2),
-``grouped_checkpoint_keys`` (F6) and ``grouped_optimizer_state`` (F7). F10 is another
-experts backend (FP8 on F8's sync-free path). F11 captures the sync-free MoE layer in CUDA
-graphs: its config rule lives in C0's validation, its capture in ``moe_cuda_graph``, which
-installs it behind megatron-core's graph entry points (the TE graph helper, the layers'
-graph-manager factory and ``create_cudagraphs``). F12 is
-an option of the alltoall dispatcher (F1's class): its exchange lives in ``symmetric_exchange``.
+The patched classes: ``config`` (C0), ``dispatch.dispatchers`` (F1: one class per stock
+dispatcher, built from an exchange and a permute step), ``grouped_experts`` (F3: the one
+experts class; F4, F5, F8 and F10 are backends under ``experts/`` and options, so they require
+F3 and bind nothing of their own), ``dispatch.hybridep_blocks`` (F2), ``checkpoint.grouped_keys``
+(F6) and ``checkpoint.optimizer_state`` (F7). ``plan.plan_for(config)`` decides once per config
+which backend runs, who pads, which exchange the dispatchers use and whether the layer can be
+graphed. F11 captures the sync-free MoE layer in CUDA graphs (``graphs.moe_layer_graphs``)
+behind megatron-core's graph entry points (the TE graph helper, the layers' graph-manager
+factory and ``create_cudagraphs``). F12 is an exchange of the alltoall dispatcher
+(``dispatch.exchanges``, ``dispatch.symmetric_exchange``).
 """
 
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ SERIES: Tuple[Feature, ...] = (
             cap.mcore_attr("transformer.moe.moe_utils", "unpermute"), "pad_offsets"
         ),
         page="patches/F1-fused-permute-pad.md",
-        test="tests/gpu/test_fused_permute_pad.py, tests/unit/test_fused_permute_pad.py",
+        test="tests/gpu/test_fused_permute_pad.py, tests/unit/test_fused_permute_pad.py, tests/unit/test_dispatch_strategies.py",
         module="megatron.moe_patches.dispatch.permute_pad",
         bindings=(
             Binding(_MOE_LAYER, "MoEAllGatherTokenDispatcher", _DISPATCHERS + "PatchedAllGatherTokenDispatcher",
@@ -170,8 +171,9 @@ SERIES: Tuple[Feature, ...] = (
     Feature(
         id="F3",
         title="Skip routed expert padding",
-        changes="One padding plan per config (padding_plan): the one experts class skips its own "
-        "quantization padding when the router or the dispatcher already padded on device.",
+        changes="The plan decides once per config who pads the routed tokens (plan_for(config).padding): "
+        "the one experts class skips its own quantization padding when the router or the dispatcher "
+        "already padded on device.",
         fields=(),
         upstream=("NVIDIA/Megatron-LM#4071", "NVIDIA/Megatron-LM#4636"),
         te_requirement="none",
@@ -179,8 +181,8 @@ SERIES: Tuple[Feature, ...] = (
         native=lambda: cap.mcore_attr("transformer.moe.moe_utils", "skip_routed_expert_padding")
         is not None,
         page="patches/F3-skip-routed-padding.md",
-        test="tests/unit/test_padding_decision.py, tests/gpu/test_fused_permute_pad.py",
-        module="megatron.moe_patches.experts.padding",
+        test="tests/unit/test_padding_decision.py, tests/unit/test_plan.py, tests/gpu/test_fused_permute_pad.py",
+        module="megatron.moe_patches.grouped_experts",
         bindings=(
             Binding(_SPEC_PROVIDER, "TEGroupedMLP", "megatron.moe_patches.grouped_experts:PatchedTEGroupedMLP",
                     _EXPERTS_SPEC),

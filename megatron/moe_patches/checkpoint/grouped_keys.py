@@ -12,10 +12,10 @@ Layouts of one expert FC with E local experts: *indexed* (stock TE GroupedLinear
   are replaced by subclasses that run it as a ``load_state_dict`` pre-hook, so stock
   (indexed) experts load grouped checkpoints.
 - The grouped layout itself (``moe_single_grouped_weight``) is F5:
-  ``single_grouped_params.make_grouped`` installs ``load_pre_hook`` on grouped modules.
+  ``experts.grouped_params.make_grouped`` installs ``load_pre_hook`` on grouped modules.
 
 Upstream: NVIDIA/Megatron-LM#3890, #4636. The optimizers' map for grouped parameters is
-F7 (grouped_optimizer_state); torch_dist loads check coverage in checkpointing.
+F7 (checkpoint.optimizer_state); torch_dist loads check coverage in checkpointing.
 """
 
 from typing import Collection, Dict, List, Union

@@ -2,7 +2,7 @@
 
 With ``moe_device_tokens_per_expert`` and ``--fp8-format e4m3|hybrid --fp8-recipe
 tensorwise``, the experts run ``FP8GroupedMMBackend``: the grouped_mm backend's MLP
-(``device_splits.grouped_mm_mlp``) with FC1 and FC2 as ``torch._scaled_grouped_mm`` over
+(``experts.grouped_mm.grouped_mm_mlp``) with FC1 and FC2 as ``torch._scaled_grouped_mm`` over
 all local experts, device offsets, no host sync.
 
 Scaling, as TE's current (tensorwise) scaling does it per GEMM: one scale per expert per

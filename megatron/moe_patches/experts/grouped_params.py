@@ -2,7 +2,7 @@
 
 ``moe_single_grouped_weight`` / ``moe_single_grouped_bias`` ask the experts to hold each
 FC's per-expert parameters as one grouped parameter. Only a backend that computes on
-that layout can honour it: ``expert_table.single_grouped_refusal`` names the backends
+that layout can honour it: the plan's ``single_grouped_refusal`` names the backends
 that can (today: the grouped_mm backend, F8) and is the one place that refuses the
 others, at config validation and at construction alike.
 

@@ -1,6 +1,6 @@
 """The prob-weighted gated activation of the sync-free experts, one Triton pass each way.
 
-The grouped experts (``device_splits.grouped_mm_mlp``) compute ``a = act(h1) * (h2 + offset)
+The grouped experts (``experts.grouped_mm.grouped_mm_mlp``) compute ``a = act(h1) * (h2 + offset)
 * prob`` between FC1 and FC2, with ``act(x) = x * sigmoid(alpha * x)``: SwiGLU (alpha 1) or
 quick-GEGLU (alpha 1.702, optional offset and clamp). megatron-core's fused versions of
 these (``weighted_bias_swiglu_impl``, ``weighted_bias_quick_geglu_impl``) run as three
