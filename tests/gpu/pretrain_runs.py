@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron.moe_patches.driver.builtin_recipes import recipe_path
@@ -21,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class RunsFolder:
     """A test module's runs' folder, made when its first run needs it (background runs start
-    before any fixture does), so that importing the module makes nothing; ``remove()`` at the
-    module's end."""
+    before any fixture does), so that importing the module makes nothing; removed at the
+    module's end by the fixture ``removed_after_module()`` makes."""
 
     def __init__(self, prefix: str):
         self.prefix, self._path, self._lock = prefix, None, threading.Lock()
@@ -38,6 +39,19 @@ class RunsFolder:
             if self._path is not None:
                 shutil.rmtree(self._path, ignore_errors=True)
                 self._path = None
+
+    def removed_after_module(self):
+        """An autouse module fixture (bind it to a module-level name) that removes the folder
+        after the module's last test; each test waits for its own runs."""
+
+        @pytest.fixture(scope="module", autouse=True)
+        def remove_runs_folder():
+            yield
+            self.remove()
+
+        return remove_runs_folder
+
+
 BASE = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100", "--deterministic-mode",
         "--dist-ckpt-optim-fully-reshardable", "--log-interval", "1"]
 STEPS = 4

@@ -25,13 +25,7 @@ POINTS = ["model", "optimizer", "common", "tracker"]
 SAVES = ["--save-interval", str(EVERY)]
 RUNS = RunsFolder("crash-safe-save-")
 work_dir = RUNS.path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def remove_work_dir():
-    """After the module's last test (each waits for its own runs): remove the runs' folder."""
-    yield
-    RUNS.remove()
+remove_work_dir = RUNS.removed_after_module()
 
 
 _uninterrupted, _uninterrupted_lock = [], threading.Lock()

@@ -38,13 +38,7 @@ PAIRS = [("indexed", "grouped", True), ("te", "grouped", False), ("te", "op_fuse
          ("op_fuser", "interleave", False), ("grouped", "sequential", False), ("te_bias", "grouped_bias", False)]
 RUNS = RunsFolder("checkpoint-round-trips-")
 work_dir = RUNS.path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def remove_work_dir():
-    """After the module's last test (each waits for its own runs): remove the runs' folder."""
-    yield
-    RUNS.remove()
+remove_work_dir = RUNS.removed_after_module()
 
 
 def train_a(layout):
