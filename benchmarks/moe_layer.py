@@ -64,8 +64,6 @@ VARIANTS = {
 
 
 def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step: int = 1):
-    from megatron.moe_patches.experts.fp8_grouped_mm import invalidate_weight_caches
-
     for _ in range(warmup):
         forward_backward(layer, hidden, grad)
         layer.zero_grad(set_to_none=True)
@@ -75,7 +73,9 @@ def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step:
     for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if i % microbatches_per_step == 0:
-            invalidate_weight_caches()  # an optimizer step: cached FP8 weights are requantized
+            # A step's first micro-batch, as megatron-core's schedules mark it: FP8 weight copies
+            # (TE's and the FP8 experts') are requantized.
+            layer.set_is_first_microbatch()
         start.record()
         forward_backward(layer, hidden, grad)
         end.record()

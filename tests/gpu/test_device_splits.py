@@ -21,11 +21,12 @@ from megatron.moe_patches.kernels.weighted_glu import glu_spec
 TOLERANCE = 2.0**-6
 
 
-def bf16_mlp(x, counts, probs, w1, w2, config, *biases):
+def bf16_mlp(x, counts, probs, w1, w2, config, b1=None, b2=None):
     """The grouped_mm backend's bf16 MLP over rows grouped by ``counts``."""
     groups = f8.RowGroups(counts, x.shape[0], x.device)
-    fc1, fc2 = f8.bf16_grouped_linear(w1, groups), f8.bf16_grouped_linear(w2, groups)
-    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config), *biases)
+    gemm = f8.bf16_grouped_gemm(groups)
+    fc1, fc2 = (lambda x_TI: (gemm(None, x_TI, w1), b1)), (lambda x_TI: (gemm(None, x_TI, w2), b2))
+    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config))
 
 
 CASES = [  # activation, experts, topk, tokens
@@ -91,11 +92,10 @@ def test_state_dicts_load_both_ways(single_gpu):
         layer = build_moe_layer(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True), seed=2)
         assert set(layer.state_dict()) == set(stock_layer.state_dict())
         layer.load_state_dict(stock_layer.state_dict())
-        backend = layer.experts.backend
         fc1 = layer.experts.linear_fc1  # the load landed where the backend reads: the per-expert parameters
         stock_fc1 = [stock_layer.experts.linear_fc1.get_parameter(f"weight{i}") for i in range(fc1.num_gemms)]
-        assert all(torch.equal(p, w) for p, w in zip(backend._params(fc1), stock_fc1))
-        assert torch.equal(backend._grouped(fc1).detach(), torch.stack(stock_fc1).detach())
+        assert all(torch.equal(p, w) for p, w in zip(f8.weight_params(fc1), stock_fc1))
+        assert torch.equal(f8.grouped_param(fc1).detach(), torch.stack(stock_fc1).detach())
         hidden = torch.randn(512, 1, 256, device="cuda", dtype=torch.bfloat16)
         patched_out, _ = forward_backward(layer, hidden)
         for param in layer.parameters():  # move away from the stock weights, then back

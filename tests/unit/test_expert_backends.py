@@ -13,6 +13,8 @@ from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispat
 from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, NcclAllToAllDeviceCounts
 from megatron.moe_patches.kernels.weighted_glu import glu_spec
 
+import expert_shells as shells
+
 BASE = dict(
     num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
     moe_grouped_gemm=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
@@ -20,11 +22,12 @@ BASE = dict(
 )
 
 
-def bf16_mlp(x, counts, probs, w1, w2, config, *biases):
+def bf16_mlp(x, counts, probs, w1, w2, config, b1=None, b2=None):
     """The grouped_mm backend's bf16 MLP over rows grouped by ``counts``."""
     groups = f8.RowGroups(counts, x.shape[0], x.device)
-    fc1, fc2 = f8.bf16_grouped_linear(w1, groups), f8.bf16_grouped_linear(w2, groups)
-    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config), *biases)
+    gemm = f8.bf16_grouped_gemm(groups)
+    fc1, fc2 = (lambda x_TI: (gemm(None, x_TI, w1), b1)), (lambda x_TI: (gemm(None, x_TI, w2), b2))
+    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config))
 
 
 def cfg(**overrides):
@@ -115,7 +118,7 @@ def test_per_expert_weights_keep_their_storage_and_are_stacked_each_forward():
     assert [(p.data_ptr(), p.stride()) for p in fc1.parameters()] == storage
     with torch.no_grad():
         fc1.weight2.mul_(2)  # an optimizer's in-place update: the next forward reads it
-    w_EOI = backend._grouped(fc1)
+    w_EOI = f8.grouped_param(fc1)
     assert torch.equal(w_EOI, torch.stack([p.detach() for p in fc1.parameters()]))
     upstream = torch.randn(w_EOI.shape, dtype=w_EOI.dtype)
     (w_EOI * upstream).sum().backward()
@@ -204,25 +207,9 @@ def test_te_backend_calls_megatron_cores_own_methods_while_applied(reverted):
     assert importlib.reload(eb).TEBackend.stock is stock  # even when imported while applied
 
 
-class ExpertLinear(torch.nn.Module):
-    """TE GroupedLinear's parameter layout: weight{i} (and bias{i}), num_gemms."""
-
-    num_gemms = 3
-
-    def __init__(self, bias):
-        super().__init__()
-        for i in range(self.num_gemms):
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 2)))
-            if bias:
-                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.randn(4)))
-
-
-def experts_shell(config):
-    """What a backend's constructor reads of the experts module, on CPU."""
-    owner = torch.nn.Module()
-    owner.config, owner.num_local_experts = config, ExpertLinear.num_gemms
-    owner.linear_fc1, owner.linear_fc2 = ExpertLinear(config.add_bias_linear), ExpertLinear(config.add_bias_linear)
-    return owner
+def experts_shell(config, backend_class=f8.GroupedMMBackend):
+    """What a backend's constructor reads of the experts module, on CPU: 3 experts."""
+    return shells.experts_shell(backend_class, config, 3, (4, 2), (4, 2), bias=config.add_bias_linear)
 
 
 def test_a_dropped_layer_is_freed_without_the_garbage_collector():
@@ -234,7 +221,7 @@ def test_a_dropped_layer_is_freed_without_the_garbage_collector():
     gc.disable()
     try:
         for backend_class in (*moe_plan.BACKENDS, moe_plan.FALLBACK):
-            owner = experts_shell(cfg())
+            owner = experts_shell(cfg(), backend_class)
             owner.backend = backend_class(owner)
             alive = weakref.ref(owner)
             del owner
@@ -286,9 +273,9 @@ def test_grouped_mm_backend_holds_biases_in_the_asked_layout(grouped_bias):
     fc2 = owner.linear_fc2
     assert ("bias" in dict(fc2.named_parameters())) is grouped_bias  # weights stay per expert
     assert "weight0" in dict(fc2.named_parameters())
-    assert torch.equal(backend._grouped(fc2, "bias"), torch.stack(biases))
+    assert torch.equal(f8.grouped_param(fc2, "bias"), torch.stack(biases))
     if grouped_bias:  # the grouped parameter itself: no copy per step
-        assert backend._grouped(fc2, "bias") is fc2.bias
+        assert f8.grouped_param(fc2, "bias") is fc2.bias
 
 
 def test_te_backend_warns_once_when_device_splits_were_asked_for(caplog, monkeypatch):
@@ -342,11 +329,12 @@ def test_grouped_mm_padded_rows_change_nothing(bias):
 
 
 def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
-    """What F11 calls before each replay: a no-op until an optimizer steps; then the FP8
-    copies of each FC are requantized into the tensors the captured GEMMs read."""
+    """What F11 calls before each replay: a no-op until megatron-core's schedule marks a step's
+    first micro-batch (after the optimizer stepped); then the FP8 copies of each FC are
+    requantized into the tensors the captured GEMMs read."""
     from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 
-    owner = experts_shell(cfg())
+    owner = experts_shell(cfg(fp8="e4m3"), fp8.FP8GroupedMMBackend)  # megatron-core marks steps under FP8
     backend = fp8.FP8GroupedMMBackend(owner)
     caches = [backend._caches[owner.linear_fc1], backend._caches[owner.linear_fc2]]
     backend.refresh_weight_caches()
@@ -354,12 +342,14 @@ def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [1, 1]
     with torch.no_grad():
-        owner.linear_fc2.weight1.mul_(4)  # what an optimizer step changes
-    fp8.invalidate_weight_caches()
+        owner.linear_fc2.weight1.data.mul_(4)  # what an optimizer step changes, unseen by the counters
+    backend.refresh_weight_caches()
+    assert [c.refreshes for c in caches] == [1, 1]  # no new step marked: the copies stay
+    owner.set_is_first_microbatch()  # megatron-core's schedule, at the next step's first micro-batch
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [2, 2]
     assert all(c.w8_EOI is w and c.scale_inv_E is s for c, (w, s) in zip(caches, held))
-    w8_EOI, _, scale_inv_E = fp8.quantize_weights(backend._grouped(owner.linear_fc2).detach())
+    w8_EOI, _, scale_inv_E = fp8.quantize_weights(f8.grouped_param(owner.linear_fc2).detach())
     assert torch.equal(caches[1].w8_EOI.float(), w8_EOI.float()) and torch.equal(caches[1].scale_inv_E, scale_inv_E)
 
 
@@ -386,35 +376,27 @@ def test_grouped_mm_backend_rows_set_after_construction(late, reason):
     assert moe_plan.plan_for(config).backend.name == "te"
 
 
-class _FC(torch.nn.Module):
-    def __init__(self, out_features, in_features, experts=3):
-        super().__init__()
-        self.num_gemms = experts
-        for i in range(experts):
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(
-                (torch.randn(out_features, in_features) / 4).to(torch.bfloat16)))
-
-
 @pytest.mark.parametrize("grouped_weight", [False, True])
-def test_grouped_mm_backend_runs_the_fcs_forward_pre_hooks_before_reading_their_weights(grouped_weight):
+def test_grouped_mm_backend_calls_the_fcs_so_their_forward_pre_hooks_run_before_their_weights_are_read(
+        grouped_weight):
     """Megatron's DDP waits for a parameter's all-gather (--overlap-param-gather) in the forward
     pre-hook of the module that holds it, and dispatches the next bucket's there. The backend
-    reads FC1's and FC2's weights without calling them, so it runs their hooks itself, before
-    reading. Here the hooks stand for the all-gather landing: they write new weights in place."""
+    calls FC1 and FC2 as modules, whose forward is its grouped GEMM, so torch runs every hook
+    first. Here the hooks stand for the all-gather landing: they write new weights in place."""
     torch.manual_seed(0)
     config = cfg(moe_single_grouped_weight=grouped_weight)
     hidden, ffn = 16, 8
-    owner = torch.nn.Module()
-    owner.config, owner.num_local_experts = config, 3
-    owner.linear_fc1, owner.linear_fc2 = _FC(2 * ffn, hidden), _FC(hidden, ffn)
+    owner = shells.experts_shell(f8.GroupedMMBackend, config, 3, (2 * ffn, hidden), (hidden, ffn))
     backend = f8.GroupedMMBackend(owner)
-    landed = {fc: [(torch.randn_like(p) / 4) for p in fc.parameters()] for fc in (owner.linear_fc1, owner.linear_fc2)}
+    fcs = (owner.linear_fc1, owner.linear_fc2)
+    landed = {fc: [(torch.randn_like(p) / 4) for p in fc.parameters()] for fc in fcs}
     calls = []
 
     def all_gather_lands(module, args, kwargs=None):
-        calls.append((module, args[0].shape, kwargs))
-        for p, new in zip(module.parameters(), landed[module]):
-            p.data.copy_(new)
+        calls.append((module, args[0].shape, kwargs is not None))
+        with torch.no_grad():
+            for p, new in zip(module.parameters(), landed[module]):
+                p.data.copy_(new)
 
     owner.linear_fc1.register_forward_pre_hook(all_gather_lands)
     owner.linear_fc1.register_forward_pre_hook(lambda module, args: calls.append("every hook"))
@@ -423,7 +405,13 @@ def test_grouped_mm_backend_runs_the_fcs_forward_pre_hooks_before_reading_their_
     x = torch.randn(5, hidden, dtype=torch.bfloat16)
     probs = torch.rand(5)
     out, _ = backend.forward(owner, x, counts, probs)
-    assert calls == [(owner.linear_fc1, x.shape, None), "every hook", (owner.linear_fc2, x.shape, {})]
-    w1, w2 = (backend._grouped(fc).detach() for fc in (owner.linear_fc1, owner.linear_fc2))
+    assert calls == [(owner.linear_fc1, x.shape, False), "every hook", (owner.linear_fc2, (5, ffn), True)]
+    w1, w2 = (f8.grouped_param(fc).detach() for fc in fcs)
     assert torch.equal(w1.reshape(-1), torch.cat([t.reshape(-1) for t in landed[owner.linear_fc1]]))
     torch.testing.assert_close(out, bf16_mlp(x, counts, probs, w1, w2, config), rtol=0, atol=0)
+
+
+def test_grouped_mm_backend_refuses_fcs_built_without_its_spec():
+    owner = shells.experts_shell(eb.TEBackend, cfg(), 3, (4, 2), (4, 2))  # stock FC classes
+    with pytest.raises(TypeError, match="expert_submodules"):
+        f8.GroupedMMBackend(owner)

@@ -12,6 +12,8 @@ from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.experts.padding import NOBODY
 
+from expert_shells import ShellGroupedLinear, experts_shell
+
 E4M3_MAX = 448.0
 
 
@@ -83,42 +85,47 @@ def test_scales_from_amax():
     assert torch.isfinite(scale).all() and torch.equal(scale_inv, torch.reciprocal(scale))
 
 
-def grouped_params(experts=3, out_features=4, in_features=8):
-    return [torch.nn.Parameter(torch.randn(out_features, in_features)) for _ in range(experts)]
+def expert_linear(experts=3, out_features=4, in_features=8):
+    """A TE grouped linear's per-expert weights (float32 here), past its first micro-batch."""
+    linear = ShellGroupedLinear(experts, out_features, in_features, dtype=torch.float32)
+    linear.is_first_microbatch = False
+    return linear
 
 
 def test_weight_cache_refreshes_only_when_the_weights_may_have_changed():
-    params = grouped_params()
+    linear = expert_linear()
+    params = list(linear.parameters())
     cache = fp8.FP8WeightCache()
     w = torch.stack([p.detach() for p in params])
-    cache.get(w, params)
+    cache.get(linear, w)
     first = cache.w8_EOI
-    cache.get(w, params)
+    cache.get(linear, w)
     assert cache.refreshes == 1 and cache.w8_EOI is first  # same weights: no requantization
     # dgrad layout: the same FP8 values, transposed
     assert torch.equal(cache.w8_EIO.float(), cache.w8_EOI.transpose(1, 2).float())
     with torch.no_grad():
         params[1].mul_(2)  # written in place (a checkpoint load): its version moves
-    cache.get(torch.stack([p.detach() for p in params]), params)
+    cache.get(linear, torch.stack([p.detach() for p in params]))
     assert cache.refreshes == 2
-    fp8.invalidate_weight_caches()
-    cache.get(w, params)
-    assert cache.refreshes == 3
+    linear.is_first_microbatch = True  # megatron-core's schedule: a new step's first micro-batch
+    cache.get(linear, w)
+    assert cache.refreshes == 3 and linear.is_first_microbatch is False
 
 
 def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
     """F11's graphs captured GEMMs that read the cached copies: a refresh must land there."""
-    params = grouped_params()
+    linear = expert_linear()
+    params = list(linear.parameters())
     cache = fp8.FP8WeightCache()
-    cache.get(torch.stack([p.detach() for p in params]), params)
+    cache.get(linear, torch.stack([p.detach() for p in params]))
     held = (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)
     pointers = [t.data_ptr() for t in held]
     with torch.no_grad():
         params[2].mul_(-3)
     w_EOI = torch.stack([p.detach() for p in params])
-    assert cache.stale(params)
-    cache.get(w_EOI, params)
-    assert not cache.stale(params) and cache.refreshes == 2
+    assert cache.stale(linear)
+    cache.get(linear, w_EOI)
+    assert not cache.stale(linear) and cache.refreshes == 2
     assert all(a is b for a, b in zip(held, (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)))
     assert [t.data_ptr() for t in held] == pointers
     rows = w_EOI.reshape(-1, w_EOI.shape[-1])
@@ -128,24 +135,6 @@ def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
     torch.testing.assert_close(cache.scale_inv_E.double(), scale_inv_ref, rtol=2.0**-23, atol=0)
     torch.testing.assert_close(deq.reshape(rows.shape), deq_ref, rtol=1e-6, atol=0)
     assert torch.equal(cache.w8_EIO.float(), cache.w8_EOI.transpose(1, 2).float())
-
-
-def test_an_optimizer_step_refreshes_the_cache_even_through_data():
-    fp8.count_optimizer_steps()
-    params = grouped_params()
-    cache = fp8.FP8WeightCache()
-    cache.get(torch.stack([p.detach() for p in params]), params)
-    mains = [p.detach().clone() for p in params]  # the optimizer steps main copies ...
-    for main in mains:
-        main.grad = torch.ones_like(main)
-    torch.optim.SGD(mains, lr=0.1).step()
-    seen = [(p.data_ptr(), p._version) for p in params]
-    with torch.no_grad():
-        for p, main in zip(params, mains):
-            p.data.copy_(main)  # ... and writes them back as megatron-core does: in place, through .data
-    assert seen == [(p.data_ptr(), p._version) for p in params]  # nothing a parameter's counters show
-    cache.get(torch.stack([p.detach() for p in params]), params)
-    assert cache.refreshes == 2
 
 
 BASE = dict(
@@ -242,17 +231,10 @@ def test_fp8_wgrad_follows_the_config(fp8_wgrad):
     from megatron.moe_patches.experts.grouped_mm import RowGroups
 
     config = fp8_config(fp8_wgrad=fp8_wgrad)
-    owner = torch.nn.Module()
-    owner.config, owner.num_local_experts = config, 2
-    for name in ("linear_fc1", "linear_fc2"):
-        linear = torch.nn.Module()
-        linear.num_gemms = 2
-        for i in range(2):
-            linear.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(4, 8, dtype=torch.bfloat16)))
-        setattr(owner, name, linear)
+    owner = experts_shell(fp8.FP8GroupedMMBackend, config, 2, (4, 8), (4, 8))
     backend = fp8.FP8GroupedMMBackend(owner)
     groups = RowGroups(torch.tensor([3, 1]), 4, "cpu")
-    backend.linear(owner.linear_fc1, backend._grouped(owner.linear_fc1), groups)
+    backend.gemm(groups)
     assert ("fp8_wgrad_columns" in groups._derived) is fp8_wgrad
 
 

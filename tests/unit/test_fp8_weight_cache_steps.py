@@ -2,25 +2,28 @@
 
 megatron-core's mixed-precision optimizers step a torch optimizer over fp32 main copies and
 then write the results into the bf16 model parameters through ``.data``: the parameters keep
-their storage and their version counters do not move, so only the optimizer step count
-(``fp8_grouped_mm.count_optimizer_steps``) tells the weight cache that its FP8 copies are
-stale. These tests run megatron-core's ``Float16OptimizerWithFloat16Params.step()`` itself
-(its constructor allocates CUDA tensors and accepts CUDA parameters only, so the test builds
-what it builds: fp32 main copies inside the torch optimizer, the float16 groups) and check
-that the copies the experts' GEMMs read, in the graph path (``refresh_weight_caches``, what
-F11 calls before a replay) and the eager one (``linear``), are the new weights' quantization.
-The same through a real CUDA optimizer (both megatron-core optimizers, from
+their storage and their version counters do not move. The signal that the FP8 copies are stale
+is the one megatron-core's TE layers use: its schedules mark each step's first micro-batch
+(``MegatronModule.set_is_first_microbatch`` sets the FC modules' ``is_first_microbatch``).
+These tests run megatron-core's ``Float16OptimizerWithFloat16Params.step()`` itself (its
+constructor allocates CUDA tensors and accepts CUDA parameters only, so the test builds what it
+builds: fp32 main copies inside the torch optimizer, the float16 groups) and megatron-core's
+``set_is_first_microbatch``, and check that the copies the experts' GEMMs read, in the graph path
+(``refresh_weight_caches``, what F11 calls before a replay) and the eager one (the cache a
+forward's GEMM takes), are the new weights' quantization. The same through megatron-core's
+schedule and a real CUDA optimizer (both megatron-core optimizers, from
 ``get_megatron_optimizer``): tests/gpu/test_fp8_weight_cache_steps.py.
 """
 
-import pytest
 import torch
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.experts.grouped_mm import RowGroups
+from megatron.moe_patches.experts.grouped_mm import grouped_param, weight_params
+
+from expert_shells import experts_shell
 
 EXPERTS, OUT, IN = 3, 8, 16
 
@@ -31,25 +34,11 @@ BASE = dict(
 )
 
 
-class _ExpertLinear(torch.nn.Module):
-    """TE GroupedLinear's parameter layout (weight0..N-1, num_gemms), bf16 on CPU."""
-
-    num_gemms = EXPERTS
-
-    def __init__(self, generator):
-        super().__init__()
-        for i in range(self.num_gemms):
-            w = torch.randn(OUT, IN, generator=generator).to(torch.bfloat16)
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
-
-
 def fp8_backend(**overrides):
     """The FP8 experts' backend over a CPU stand-in of the experts module."""
     config = PatchedTransformerConfig(**{**BASE, **overrides})
-    generator = torch.Generator().manual_seed(0)
-    owner = torch.nn.Module()
-    owner.config, owner.num_local_experts = config, EXPERTS
-    owner.linear_fc1, owner.linear_fc2 = _ExpertLinear(generator), _ExpertLinear(generator)
+    config.fp8 = "e4m3"  # set late: megatron-core checks TE for it at construction
+    owner = experts_shell(fp8.FP8GroupedMMBackend, config, EXPERTS, (OUT, IN), (OUT, IN))
     return owner, fp8.FP8GroupedMMBackend(owner)
 
 
@@ -83,26 +72,9 @@ def step_like_training(optimizer, params):
     return seen == [(p.data_ptr(), p._version) for p in params]
 
 
-@pytest.fixture
-def fresh_process():
-    """No optimizer step hook registered yet, as in a fresh training process (other tests may
-    have registered it): the FP8 backend itself must register it. Afterwards the process is left
-    with the hook registered exactly once again, as it was."""
-    was_registered = fp8._step_hook is not None
-    if was_registered:
-        fp8._step_hook.remove()
-        fp8._step_hook = None
-    yield
-    if fp8._step_hook is not None:
-        fp8._step_hook.remove()
-        fp8._step_hook = None
-    if was_registered:
-        fp8.count_optimizer_steps()
-
-
-def current_fp8(backend, linear):
+def current_fp8(linear):
     """The FP8 copies of ``linear``'s current weights, quantized afresh."""
-    return fp8.quantize_weights(backend._grouped(linear).detach())
+    return fp8.quantize_weights(grouped_param(linear).detach())
 
 
 def assert_cache_holds(cache, expected):
@@ -112,7 +84,7 @@ def assert_cache_holds(cache, expected):
     assert torch.equal(cache.w8_EIO.view(torch.uint8), w8_EIO.view(torch.uint8))
 
 
-def test_a_megatron_optimizer_step_refreshes_the_copies_a_graph_replays(fresh_process):
+def test_the_steps_first_micro_batch_refreshes_the_copies_a_graph_replays():
     owner, backend = fp8_backend()
     linears = (owner.linear_fc1, owner.linear_fc2)
     backend.refresh_weight_caches()  # the warm-up before a capture quantizes once
@@ -124,10 +96,11 @@ def test_a_megatron_optimizer_step_refreshes_the_copies_a_graph_replays(fresh_pr
 
     params = list(owner.parameters())
     assert step_like_training(megatron_bf16_optimizer(params), params)  # invisible to the counters
+    owner.set_is_first_microbatch()  # megatron-core's schedule, at the next step's first micro-batch
     backend.refresh_weight_caches()  # what F11 runs before the next replay
     assert [c.refreshes for c in caches] == [2, 2]
     for cache, linear, tensors, before in zip(caches, linears, held, old):
-        assert_cache_holds(cache, current_fp8(backend, linear))
+        assert_cache_holds(cache, current_fp8(linear))
         assert not torch.equal(cache.w8_EOI.view(torch.uint8), before.view(torch.uint8))
         # in place: the graph's GEMMs read these very tensors
         assert all(a is b for a, b in zip(tensors, (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)))
@@ -135,55 +108,53 @@ def test_a_megatron_optimizer_step_refreshes_the_copies_a_graph_replays(fresh_pr
     assert [c.refreshes for c in caches] == [2, 2]  # once per step, not per micro-batch
 
 
-def test_a_megatron_optimizer_step_refreshes_the_copies_of_a_grouped_weight_in_eager_forwards(fresh_process):
+def test_the_steps_first_micro_batch_refreshes_the_copies_of_a_grouped_weight_in_eager_forwards():
     owner, backend = fp8_backend(moe_single_grouped_weight=True)
     fc2 = owner.linear_fc2
     assert tuple(fc2.weight.shape) == (EXPERTS, OUT, IN)  # one [E, out, in] parameter
-    groups = RowGroups(torch.tensor([2, 0, 3]), 5, "cpu")
-    backend.linear(fc2, backend._grouped(fc2), groups)  # a forward's FC2: quantizes on first use
     cache = backend._caches[fc2]
+    cache.get(fc2, grouped_param(fc2))  # a forward's FC2 GEMM: quantizes on first use
     before = cache.w8_EOI.clone()
-    backend.linear(fc2, backend._grouped(fc2), groups)  # the next micro-batch
-    assert cache.refreshes == 1
+    cache.get(fc2, grouped_param(fc2))  # the next micro-batch
+    assert cache.refreshes == 1 and fc2.is_first_microbatch is False
 
     params = list(owner.parameters())
     assert step_like_training(megatron_bf16_optimizer(params), params)
-    backend.linear(fc2, backend._grouped(fc2), groups)
+    owner.set_is_first_microbatch()
+    cache.get(fc2, grouped_param(fc2))
     assert cache.refreshes == 2
-    assert_cache_holds(cache, current_fp8(backend, fc2))
+    assert_cache_holds(cache, current_fp8(fc2))
     assert not torch.equal(cache.w8_EOI.view(torch.uint8), before.view(torch.uint8))
 
 
-def test_a_step_that_changes_nothing_the_counters_see_is_the_only_signal(fresh_process):
-    """Why the step count is needed: without it (a cache keyed on storage and version counters
-    only) the copies after megatron-core's step would be the first step's."""
+def test_a_step_that_changes_nothing_the_counters_see_needs_the_schedules_mark():
+    """Why the step's first micro-batch is the signal: a cache keyed on storage and version
+    counters only would keep the first step's copies after megatron-core's step."""
     owner, backend = fp8_backend()
     backend.refresh_weight_caches()
-    cache = backend._caches[owner.linear_fc1]
-    keyed_without_steps = [(p.data_ptr(), p._version) for p in backend._weight_sources(owner.linear_fc1)]
+    fc1 = owner.linear_fc1
+    cache = backend._caches[fc1]
+    keyed_by_counters = [(p.data_ptr(), p._version) for p in weight_params(fc1)]
     params = list(owner.parameters())
-    steps = fp8._optimizer_steps
     step_like_training(megatron_bf16_optimizer(params), params)
-    assert keyed_without_steps == [(p.data_ptr(), p._version) for p in backend._weight_sources(owner.linear_fc1)]
-    assert fp8._optimizer_steps == steps + 1  # megatron-core's step ran the torch optimizer's step once
-    assert cache.stale(backend._weight_sources(owner.linear_fc1))
+    assert keyed_by_counters == [(p.data_ptr(), p._version) for p in weight_params(fc1)]
+    assert not cache.stale(fc1)
+    owner.set_is_first_microbatch()
+    assert cache.stale(fc1)
 
 
-def test_a_skipped_step_leaves_the_copies(fresh_process):
-    """A step megatron-core skips (inf/NaN gradients under a loss scaler) changes no weight and
-    steps no torch optimizer: the FP8 copies stay valid."""
+def test_disabled_parameter_transpose_caches_requantize_every_forward():
+    """--disable-parameter-transpose-cache: megatron-core's TE layers then requantize their
+    weights at every forward; so do these."""
     owner, backend = fp8_backend()
+    for linear in (owner.linear_fc1, owner.linear_fc2):
+        linear.disable_parameter_transpose_cache = True  # megatron-core's TE wrapper copies the config's
     backend.refresh_weight_caches()
-    caches = list(backend._caches.values())
-    params = list(owner.parameters())
-    optimizer = megatron_bf16_optimizer(params)
-    optimizer.prepare_grads = lambda: True  # found inf: megatron-core returns before stepping
-    assert optimizer.step() == (False, None, None)
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in caches] == [1, 1]
+    assert [c.refreshes for c in backend._caches.values()] == [2, 2]
 
 
-def test_a_weight_written_in_place_refreshes_its_own_fc_only(fresh_process):
+def test_a_weight_written_in_place_refreshes_its_own_fc_only():
     """A write that the parameter's counter sees (a checkpoint load's copy_) makes that FC's
     copies stale and leaves the untouched FC's copies alone: no step, no requantization."""
     owner, backend = fp8_backend()
@@ -194,5 +165,5 @@ def test_a_weight_written_in_place_refreshes_its_own_fc_only(fresh_process):
         owner.linear_fc1.weight2.mul_(-2)
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [2, 1]
-    assert_cache_holds(caches[0], current_fp8(backend, owner.linear_fc1))
+    assert_cache_holds(caches[0], current_fp8(owner.linear_fc1))
     assert torch.equal(caches[1].w8_EOI.view(torch.uint8), untouched.view(torch.uint8))

@@ -7,6 +7,7 @@ import torch
 
 from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.config import PatchedTransformerConfig
+from expert_shells import experts_shell
 from toy_backend import LoopBackend
 
 E, HIDDEN, FFN = 3, 8, 6
@@ -62,23 +63,9 @@ def test_the_plan_says_why_not_the_toy(registered, late, reason):
     assert plan.backend is moe_plan.FALLBACK and reason in dict(plan.backend_support)["loop"]
 
 
-class _Linear(torch.nn.Module):
-    """What the backend reads of a TE GroupedLinear: weight{i} per expert."""
-
-    def __init__(self, out_features, in_features, generator):
-        super().__init__()
-        for i in range(E):
-            weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(weight.to(torch.bfloat16)))
-
-
 def _experts(c):
-    generator = torch.Generator().manual_seed(0)
-    experts = torch.nn.Module()
-    experts.config, experts.num_local_experts = c, E
-    experts.linear_fc1 = _Linear(2 * FFN, HIDDEN, generator)
-    experts.linear_fc2 = _Linear(HIDDEN, FFN, generator)
-    return experts
+    # FC1 and FC2 from the classes the toy's expert_submodules returns (TE's weight{i} on CPU)
+    return experts_shell(LoopBackend, c, E, (2 * FFN, HIDDEN), (HIDDEN, FFN))
 
 
 def _reference(experts, x_TH, counts, probs_T):

@@ -4,7 +4,15 @@ declares and implements; it is slow and only registered by its test (test_toy_ba
 
 import torch
 
-from megatron.moe_patches.experts.backend import BF16, ExpertBackend, host_tokens_per_expert, run_forward_pre_hooks
+from megatron.moe_patches.experts.backend import BF16, ExpertBackend, host_tokens_per_expert
+
+
+class LoopLinear:
+    """FC1's and FC2's forward under this backend (mixed into the spec's TE grouped linear):
+    one matmul per expert over that expert's rows, with TE's per-expert weights."""
+
+    def forward(self, x_TI, counts):
+        return torch.cat([x_RI @ getattr(self, f"weight{e}").t() for e, x_RI in enumerate(x_TI.split(counts))])
 
 
 class LoopBackend(ExpertBackend):
@@ -21,14 +29,10 @@ class LoopBackend(ExpertBackend):
     delayed_wgrad = False  # autograd computes the weight gradients in the backward
     activation_offloading = False
     activation_recompute = False
+    linear_step = LoopLinear  # the FCs are called as modules: torch runs their forward pre-hooks
 
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
-        fc1, fc2 = experts.linear_fc1, experts.linear_fc2
-        run_forward_pre_hooks((fc1, fc2), x_TH)  # their weights are read here, their forward never runs
         counts = host_tokens_per_expert(tokens_per_expert_E).tolist()
-        out = []
-        for e, (x_RH, probs_R) in enumerate(zip(x_TH.split(counts), probs_T.split(counts))):
-            gate_RF, up_RF = (x_RH @ getattr(fc1, f"weight{e}").t()).chunk(2, dim=-1)
-            a_RF = torch.nn.functional.silu(gate_RF) * up_RF * probs_R.unsqueeze(-1).to(up_RF.dtype)
-            out.append(a_RF @ getattr(fc2, f"weight{e}").t())
-        return torch.cat(out), None
+        gate_TF, up_TF = experts.linear_fc1(x_TH, counts).chunk(2, dim=-1)
+        a_TF = torch.nn.functional.silu(gate_TF) * up_TF * probs_T.unsqueeze(-1).to(up_TF.dtype)
+        return experts.linear_fc2(a_TF, counts), None

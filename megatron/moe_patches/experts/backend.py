@@ -53,10 +53,12 @@ def host_tokens_per_expert(tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
 
 
 def run_forward_pre_hooks(modules, *args) -> None:
-    """Run the forward pre-hooks of ``modules``, whose forward a backend bypasses to read their
-    parameters itself. Megatron's DDP waits there for those parameters' all-gather under
-    --overlap-param-gather (and dispatches the next bucket's): skipped, the backend would read
-    weights whose update has not landed, and later buckets would never be gathered."""
+    """Run the forward pre-hooks of ``modules`` whose forward never runs: the op fuser's TE ops
+    pipeline computes FC1 and FC2 in one call. Megatron's DDP waits there for those parameters'
+    all-gather under --overlap-param-gather (and dispatches the next bucket's): skipped, the
+    pipeline would read weights whose update has not landed, and later buckets would never be
+    gathered. Backends that read the FCs' parameters themselves call the modules instead
+    (``ExpertBackend.linear_step``), so torch runs the hooks."""
     for module in modules:
         for key, hook in list(module._forward_pre_hooks.items()):  # torch keeps them here only
             if key in module._forward_pre_hooks_with_kwargs:
@@ -93,6 +95,10 @@ class ExpertBackend:
     single_grouped_missing = "it keeps one parameter per expert"  # why not, where it does not
     takes_device_counts = False  # reads device token counts without a host sync (graph-safe, F11/F12)
     alignment: Optional[int] = None  # rows per expert under FP8/FP4 where not the recipe's (1: any)
+    # A mixin whose ``forward`` replaces FC1's and FC2's (TE's grouped linear) for a backend that
+    # computes with their parameters itself; None: the stock classes. The backend then calls the
+    # modules, and torch runs their forward pre-hooks before the parameters are read.
+    linear_step: Optional[type] = None
 
     @classmethod
     def unavailable(cls, config) -> Optional[str]:
@@ -110,8 +116,22 @@ class ExpertBackend:
     @classmethod
     def expert_submodules(cls, config, submodules):
         """The experts' ``MLPSubmodules`` this backend builds on: called before megatron-core's
-        TEGroupedMLP builds linear_fc1/linear_fc2 from them; the stock ones by default."""
-        return submodules
+        TEGroupedMLP builds linear_fc1/linear_fc2 from them. FC1's and FC2's classes gain
+        ``linear_step`` (subclasses of the spec's classes, built by the stock constructor)."""
+        if cls.linear_step is None:
+            return submodules
+        fc1, fc2 = (_with_spec_class(s, _subclass(_spec_class(s), cls.linear_step, _spec_class(s)))
+                    for s in (submodules.linear_fc1, submodules.linear_fc2))
+        return dataclasses.replace(submodules, linear_fc1=fc1, linear_fc2=fc2)
+
+    @classmethod
+    def check_linears(cls, experts) -> None:
+        """Refuse FCs built without this backend's ``linear_step`` (experts not built from the
+        spec ``expert_submodules`` returned): their forward is TE's, not the one called."""
+        for linear in (experts.linear_fc1, experts.linear_fc2):
+            if cls.linear_step is not None and not isinstance(linear, cls.linear_step):
+                raise TypeError(f"the {cls.name} experts' FCs must be built from the spec its expert_submodules "
+                                f"returns (a {cls.linear_step.__name__}); got {type(linear).__name__}")
 
     def __init__(self, experts):
         """Prepare ``experts`` for this backend (parameter layouts); called once."""
@@ -153,11 +173,16 @@ def _device_splits_step(te_grouped_linear: type) -> type:
 
 
 @functools.lru_cache(maxsize=None)
+def _subclass(spec_class: type, *bases: type) -> type:
+    """A class over ``bases`` (in MRO order), named and placed as ``spec_class``, the spec's
+    class it extends."""
+    return type(spec_class.__name__, bases, {"__module__": spec_class.__module__})
+
+
 def _with_device_splits(linear_class: type, te_grouped_linear: type) -> type:
-    step = _device_splits_step(te_grouped_linear)
     # MRO: linear_class, its megatron-core bases, step, TE's GroupedLinear: megatron-core's
     # forward runs unchanged and its super().forward reaches the step.
-    return type(linear_class.__name__, (linear_class, step), {"__module__": linear_class.__module__})
+    return _subclass(linear_class, linear_class, _device_splits_step(te_grouped_linear))
 
 
 def _device_splits_te(config) -> Optional[type]:

@@ -16,11 +16,13 @@ weights: the expert's scale per output column), so no rescaling pass is needed.
   sm90's ``_scaled_grouped_mm`` takes E4M3 operands only, and per-expert scales keep the
   gradients' range.
 - Weights are quantized once per optimizer step, in both layouts the GEMMs read (forward:
-  [E, out, in]; dgrad: [E, in, out], written by the same tiled pass), and cached; the cache refreshes when an optimizer
-  has stepped since (a global torch optimizer step hook) or a parameter was written in
-  place (its version counter), e.g. by a checkpoint load. A refresh writes into the same
-  tensors, so F11's graphs keep reading the current copies: they refresh before a replay,
-  outside the graph (``refresh_weight_caches``).
+  [E, out, in]; dgrad: [E, in, out], written by the same tiled pass), and cached. The cache
+  refreshes where megatron-core's TE layers refresh theirs: at a step's first micro-batch
+  (the FC module's ``is_first_microbatch``, which megatron-core's schedules set; a loop of
+  its own calls ``model.set_is_first_microbatch()`` after each optimizer step, as for TE's
+  FP8 layers), or when a parameter was written in place (its version counter, e.g. a
+  checkpoint load). A refresh writes into the same tensors, so F11's graphs keep reading the
+  current copies: they refresh before a replay, outside the graph (``refresh_weight_caches``).
 - fprop and dgrad run FP8 with fast accumulation. wgrad runs FP8 too (``fp8_wgrad``, the
   default; ``--no-fp8-wgrad`` computes it in bf16 from the saved bf16 input, which measured
   faster on the fine-grained shapes: benchmarks/README.md), as TE's recipe does,
@@ -41,53 +43,29 @@ import math
 from typing import Optional, Tuple
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts.backend import FP8
-from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups
+from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups, grouped_param, weight_params
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 
-# --- the weights' FP8 cache: valid until an optimizer steps or a weight is written -----------
-
-_optimizer_steps = 0
-_step_hook = None
-
-
-def _count_step(optimizer, args, kwargs):
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def count_optimizer_steps():
-    """Register (once per process) the global optimizer step hook the weight caches key on.
-
-    Megatron's optimizers step a torch optimizer inside (its ``step`` fires the hook, a public
-    torch API) and then write the model params where no version counter sees it: the Float16
-    optimizer copies main params in through ``.data`` (a fresh version counter), the distributed
-    optimizer into DDP's buffer, which the params alias since DDP assigned their ``.data`` (their
-    counters are not the buffer's). So a key of data pointer and version alone would keep the
-    first step's FP8 copies (tests/unit and tests/gpu test_fp8_weight_cache_steps.py check the
-    premise); the step count is the one signal the step gives.
-    """
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_count_step)
-
-
-def invalidate_weight_caches():
-    """Make every FP8 weight cache refresh on its next use (what an optimizer step does)."""
-    global _optimizer_steps
-    _optimizer_steps += 1
+# --- the weights' FP8 cache: valid until the next step's first micro-batch or a weight write ---
 
 
 class FP8WeightCache:
     """One FC's weights in FP8, in the forward and the dgrad layout, with their scales.
 
-    A refresh writes into the same tensors: a CUDA graph that captured GEMMs reading them
-    (F11) reads the current copies after each refresh, which runs outside the graph."""
+    Refreshed as megatron-core's TE linear layers refresh theirs: at the first micro-batch of a
+    step (megatron-core's schedules set the FC module's ``is_first_microbatch`` through
+    ``MegatronModule.set_is_first_microbatch``: the optimizer has stepped since) and when a
+    weight was written in place through the parameter (its version counter, e.g. a checkpoint
+    load); at every forward under --disable-parameter-transpose-cache. Megatron's optimizers
+    write the parameters where no version counter sees it (the Float16 optimizer through
+    ``.data``, the distributed optimizer into DDP's buffer), so the counter alone would keep the
+    first step's copies. A refresh writes into the same tensors: a CUDA graph that captured GEMMs
+    reading them (F11) reads the current copies after each refresh, which runs outside it."""
 
     def __init__(self):
         self._key = None
@@ -95,23 +73,23 @@ class FP8WeightCache:
         self.refreshes = 0  # how often the weights were quantized (tests read it)
 
     @staticmethod
-    def _key_of(sources):
-        return _optimizer_steps, tuple((p.data_ptr(), p._version) for p in sources)
+    def _key_of(linear):
+        return tuple((p.data_ptr(), p._version) for p in weight_params(linear))
 
-    def stale(self, sources) -> bool:
-        """Whether an optimizer stepped, or a parameter of ``sources`` changed, since the
-        last quantization."""
-        return self._key_of(sources) != self._key
+    def stale(self, linear) -> bool:
+        """Whether ``linear``'s weights may have changed since the last quantization."""
+        return (linear.is_first_microbatch or getattr(linear, "disable_parameter_transpose_cache", False)
+                or self._key_of(linear) != self._key)
 
-    def get(self, w_EOI: torch.Tensor, sources) -> "FP8WeightCache":
-        """Quantize ``w_EOI`` unless the cached copy still matches ``sources`` (the
-        parameters ``w_EOI`` was assembled from)."""
-        key = self._key_of(sources)
-        if key != self._key:
+    def get(self, linear, w_EOI: torch.Tensor) -> "FP8WeightCache":
+        """Quantize ``w_EOI`` (``linear``'s weights as one tensor) unless the copies are current;
+        the step's first micro-batch is then taken."""
+        if self.stale(linear):
             into = None if self.w8_EOI is None else (self.w8_EOI, self.w8_EIO, self.scale_inv_E)
             self.w8_EOI, self.w8_EIO, self.scale_inv_E = quantize_weights(w_EOI.detach(), into)
-            self._key = key
+            self._key = self._key_of(linear)
             self.refreshes += 1
+        linear.is_first_microbatch = False
         return self
 
 
@@ -394,22 +372,24 @@ class FP8GroupedMMBackend(GroupedMMBackend):
 
     def __init__(self, experts):
         super().__init__(experts)
-        count_optimizer_steps()
         self._caches = {experts.linear_fc1: FP8WeightCache(), experts.linear_fc2: FP8WeightCache()}
         self._fp8_wgrad = experts.config.fp8_wgrad  # --no-fp8-wgrad: weight gradients in bf16
 
     def refresh_weight_caches(self):
-        """Quantize the weights of each FC whose cache is stale (after an optimizer step);
+        """Quantize the weights of each FC whose cache is stale (a step's first micro-batch);
         a no-op otherwise. F11 calls it before replaying a graph, outside it."""
         for linear, cache in self._caches.items():
-            sources = self._weight_sources(linear)
-            if cache.stale(sources):
+            if cache.stale(linear):
                 with torch.no_grad():
-                    cache.get(self._grouped(linear), sources)
+                    cache.get(linear, grouped_param(linear))
 
-    def linear(self, linear, w_EOI, groups: RowGroups):
-        cache = self._caches[linear].get(w_EOI, self._weight_sources(linear))
+    def gemm(self, groups: RowGroups):
         columns = None
         if self._fp8_wgrad:
             columns = groups.derived("fp8_wgrad_columns", lambda g: PaddedColumns(g.offsets_E, g.num_rows))
-        return lambda x_TI: _FP8GroupedLinear.apply(x_TI, w_EOI, groups.offsets_E, groups.expert_T, cache, columns)
+
+        def fp8_gemm(linear, x_TI, w_EOI):
+            cache = self._caches[linear].get(linear, w_EOI)
+            return _FP8GroupedLinear.apply(x_TI, w_EOI, groups.offsets_E, groups.expert_T, cache, columns)
+
+        return fp8_gemm

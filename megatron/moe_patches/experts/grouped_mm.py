@@ -23,12 +23,13 @@ The allgather dispatcher keeps its host counts. Upstream: ROCm/Megatron-LM (seed
 te_grouped_linear_device_splits`` reports it.
 """
 
+import functools
 import logging
 from typing import Optional
 
 import torch
 
-from megatron.moe_patches.experts.backend import BF16, ExpertBackend, run_forward_pre_hooks
+from megatron.moe_patches.experts.backend import BF16, ExpertBackend
 from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
 from megatron.moe_patches.experts.grouped_params import make_grouped
@@ -84,24 +85,54 @@ class RowGroups:
         return self.derived("expert_T", lambda groups: expert_of_row(groups.offsets_E, groups.num_rows))
 
 
-def bf16_grouped_linear(w_EOI: torch.Tensor, groups: RowGroups):
-    """x_TI -> x_TI @ w_EOI[expert(row)]^T as one torch._grouped_mm."""
-    return lambda x_TI: torch._grouped_mm(x_TI, w_EOI.transpose(1, 2), offs=groups.offsets_E)
+def grouped_param(linear, name: str = "weight") -> torch.Tensor:
+    """All experts' ``name`` (weight or bias) of ``linear`` as one differentiable [E, ...] tensor:
+    the grouped parameter itself (moe_single_grouped_weight/_bias), else a stacked copy of the
+    per-expert parameters whose gradient flows back to each of them."""
+    if is_grouped(linear, name):
+        return getattr(linear, name)
+    return torch.stack([getattr(linear, f"{name}{i}") for i in range(linear.num_gemms)])
 
 
-def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec, b1_EO=None, b2_EO=None) -> torch.Tensor:
+def weight_params(linear):
+    """The parameters an FC's [E, out, in] weight is assembled from."""
+    if is_grouped(linear, "weight"):
+        return [linear.weight]
+    return [getattr(linear, f"weight{i}") for i in range(linear.num_gemms)]
+
+
+class GroupedGemmLinear:
+    """FC1's and FC2's class step under the grouped_mm backends (``ExpertBackend.linear_step``):
+    the module keeps TE's parameters (per expert, or grouped: F5) and its forward is one grouped
+    GEMM over all local experts. The backend calls the module, so torch runs its forward
+    pre-hooks before the parameters are read: Megatron's DDP waits there for their all-gather
+    under --overlap-param-gather."""
+
+    def forward(self, x_TI, gemm):
+        """(gemm(x_TI, w_EOI), b_EO or None): ``gemm`` is the backend's grouped GEMM, for this
+        forward's row groups; the bias is applied by the caller (FC2's is scaled by the prob)."""
+        return gemm(self, x_TI, grouped_param(self)), grouped_param(self, "bias") if self.use_bias else None
+
+
+def bf16_grouped_gemm(groups: RowGroups):
+    """(linear, x_TI, w_EOI) -> x_TI @ w_EOI[expert(row)]^T as one torch._grouped_mm."""
+    return lambda linear, x_TI, w_EOI: torch._grouped_mm(x_TI, w_EOI.transpose(1, 2), offs=groups.offsets_E)
+
+
+def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec) -> torch.Tensor:
     """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
     device offsets: the TE experts' math (FC2's bias is scaled by the router prob, as
-    megatron-core's TEGroupedMLP applies it). ``fc1``/``fc2`` map [rows, in] -> [rows, out]
-    grouped by ``groups`` (bf16 or FP8 grouped GEMMs)."""
-    h_TF2 = fc1(x_TH)
+    megatron-core's TEGroupedMLP applies it). ``fc1``/``fc2`` map [rows, in] rows grouped by
+    ``groups`` to ([rows, out], the [E, out] bias or None) (bf16 or FP8 grouped GEMMs)."""
+    h_TF2, b1_EO = fc1(x_TH)
     # Biases are gathered per row in fp32: the add rounds once (as TE's GEMM epilogue does)
     # and each expert's bias gradient sums its rows in fp32 before the one cast back.
     if b1_EO is not None:
         h_TF2 = (h_TF2 + b1_EO.float()[groups.expert_T]).to(h_TF2.dtype)
     # Rows past the last group (F12's bound) stay zero from here on.
     a_TF = weighted_glu(h_TF2, probs_T, glu, rows_used=groups.offsets_E[-1:])
-    out_TH = _ContiguousGrad.apply(fc2(a_TF.to(x_TH.dtype)))
+    out_TH, b2_EO = fc2(a_TF.to(x_TH.dtype))
+    out_TH = _ContiguousGrad.apply(out_TH)
     if b2_EO is not None:
         out_TH = (out_TH + b2_EO.float()[groups.expert_T] * probs_T.unsqueeze(-1)).to(x_TH.dtype)
     return out_TH
@@ -111,7 +142,7 @@ class GroupedMMBackend(ExpertBackend):
     """Sync-free experts: one torch._grouped_mm per FC over all local experts (bf16).
 
     Subclasses that compute in another precision override the precision declarations,
-    ``unavailable`` and ``linear`` (``fp8_grouped_mm.FP8GroupedMMBackend``)."""
+    ``unavailable`` and ``gemm`` (``fp8_grouped_mm.FP8GroupedMMBackend``)."""
 
     name = "grouped_mm"
     requested_by = "moe_device_tokens_per_expert"
@@ -127,6 +158,7 @@ class GroupedMMBackend(ExpertBackend):
     activation_recompute = False
     holds_single_grouped_params = True
     takes_device_counts = True
+    linear_step = GroupedGemmLinear
 
     @classmethod
     def unavailable(cls, config) -> Optional[str]:
@@ -137,6 +169,7 @@ class GroupedMMBackend(ExpertBackend):
         return None
 
     def __init__(self, experts):
+        self.check_linears(experts)
         config = experts.config
         held = ("weight", "bias") if config.add_bias_linear else ("weight",)
         grouped = {
@@ -147,41 +180,15 @@ class GroupedMMBackend(ExpertBackend):
             make_grouped(linear, experts.num_local_experts, [n for n in held if grouped[n]])
         if not grouped["weight"]:
             log_once(logger, logging.WARNING, STACKED_WEIGHTS)
-        self._biases = config.add_bias_linear
         self._glu = glu_spec(config)
 
-    @staticmethod
-    def _params(linear, name="weight"):
-        return [getattr(linear, f"{name}{i}") for i in range(linear.num_gemms)]
-
-    def _weight_sources(self, linear):
-        """The parameters an FC's [E, out, in] weight is assembled from."""
-        return [linear.weight] if is_grouped(linear, "weight") else self._params(linear)
-
-    def _grouped(self, linear, name="weight"):
-        """All experts' ``name`` (weight or bias) of ``linear`` as one differentiable [E, ...]
-        tensor: the grouped parameter itself (moe_single_grouped_weight/_bias), else a stacked
-        copy of the per-expert parameters whose gradient flows back to each of them."""
-        if is_grouped(linear, name):
-            return getattr(linear, name)
-        return torch.stack(self._params(linear, name))
-
-    def linear(self, linear, w_EOI, groups: RowGroups):
-        """The FC ``linear`` as a function of its grouped input rows."""
-        return bf16_grouped_linear(w_EOI, groups)
+    def gemm(self, groups: RowGroups):
+        """The grouped GEMM (linear, x_TI, w_EOI) -> y_TO over this forward's ``groups``."""
+        return bf16_grouped_gemm(groups)
 
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
-        fc1, fc2 = experts.linear_fc1, experts.linear_fc2
-        run_forward_pre_hooks((fc1, fc2), x_TH)  # their weights are read below, their forward never runs
         groups = RowGroups(tokens_per_expert_E, x_TH.shape[0], x_TH.device)
-        biases = (self._grouped(fc1, "bias"), self._grouped(fc2, "bias")) if self._biases else (None, None)
-        out_TH = grouped_mm_mlp(
-            x_TH,
-            groups,
-            probs_T,
-            self.linear(fc1, self._grouped(fc1), groups),
-            self.linear(fc2, self._grouped(fc2), groups),
-            self._glu,
-            *biases,
-        )
-        return out_TH, None
+        gemm = self.gemm(groups)
+        fc1 = functools.partial(experts.linear_fc1, gemm=gemm)
+        fc2 = functools.partial(experts.linear_fc2, gemm=gemm)
+        return grouped_mm_mlp(x_TH, groups, probs_T, fc1, fc2, self._glu), None

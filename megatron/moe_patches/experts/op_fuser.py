@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from megatron.moe_patches import capabilities as cap
-from megatron.moe_patches.experts.backend import BF16, FP8, ExpertBackend, host_tokens_per_expert
+from megatron.moe_patches.experts.backend import BF16, FP8, ExpertBackend, host_tokens_per_expert, run_forward_pre_hooks
 from megatron.moe_patches.fields import glu_activation, patch_option
 from megatron.moe_patches.experts.glu_interleave import concatenated_factory, interleave_parameters
 
@@ -136,13 +136,6 @@ class OpFuserBackend(ExpertBackend):
             self._sequential = te.ops.Sequential(*self._ops)
         return self._sequential
 
-    @staticmethod
-    def _run_forward_pre_hooks(experts, hidden):
-        # The pipeline bypasses linear_fc{1,2}.forward; DDP's param all-gather waits there.
-        for linear in (experts.linear_fc1, experts.linear_fc2):
-            for hook in linear._forward_pre_hooks.values():
-                hook(linear, (hidden,))
-
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         pipeline = self._pipeline(experts)
         counts_E = tokens_per_expert_E
@@ -152,7 +145,7 @@ class OpFuserBackend(ExpertBackend):
             x_TH, padded = experts.quantization_padding(x_TH, actual)
             probs_T = experts.quantization_padding(probs_T.unsqueeze(-1), actual)[0].squeeze(-1)
             counts_E = torch.tensor(padded, dtype=torch.int64)
-        self._run_forward_pre_hooks(experts, x_TH)
+        run_forward_pre_hooks((experts.linear_fc1, experts.linear_fc2), x_TH)
         extra = (counts_E, probs_T, counts_E) + ((probs_T,) if experts.config.add_bias_linear else ())
         out_TH = pipeline(x_TH, *extra)
         if pads:
