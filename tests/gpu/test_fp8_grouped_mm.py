@@ -102,9 +102,12 @@ def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgr
     rows = sum(counts)
     expert_R = torch.repeat_interleave(torch.arange(experts, device="cuda", dtype=torch.int32), counts_E)
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(experts, out_features, in_features, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    linear = torch.nn.Module()  # what the cache reads of an FC: its grouped weight, the step's mark
+    linear.weight = torch.nn.Parameter((torch.randn(experts, out_features, in_features, device="cuda") / 16).to(torch.bfloat16))
+    linear.is_first_microbatch = True
+    w = linear.weight
     dy = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
-    cache = fp8.FP8WeightCache().get(w, [w])
+    cache = fp8.FP8WeightCache().get(linear, w)
     columns = fp8.PaddedColumns(offsets_E, rows) if fp8_wgrad else None
     y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache, columns)
     y.backward(dy)
