@@ -89,23 +89,41 @@ def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step:
 EXCHANGE_KERNELS = ("nccl", "push_rows_kernel", "copy_zero_tail_kernel", "barrier")
 
 
-def exchange_ms(layer, hidden, grad) -> float:
-    """Device time of the expert-parallel exchange's kernels in one forward+backward."""
+def kernel_device_ms(layer, hidden, grad) -> dict:
+    """Device time (ms) of each kernel name in one forward+backward."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         forward_backward(layer, hidden, grad)
         torch.cuda.synchronize()
     layer.zero_grad(set_to_none=True)
-    microseconds = 0.0
+    times = {}
     for event in prof.key_averages():
-        if any(name in event.key.lower() for name in EXCHANGE_KERNELS):
-            microseconds += getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
-    return microseconds / 1000
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
+            times[event.key] = times.get(event.key, 0.0) + us / 1000
+    return times
 
 
-def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_step=1, seed=0, ep=1):
-    """Time one variant; returns (median ms, peak MiB, backend name, exchange ms or None).
-    ``seed``: of this rank's input; ``ep`` > 1: the config's expert parallelism (the process
-    group must match), and one step's exchange kernels are profiled."""
+def exchange_ms(layer, hidden, grad) -> float:
+    """Device time of the expert-parallel exchange's kernels in one forward+backward."""
+    return sum(ms for name, ms in kernel_device_ms(layer, hidden, grad).items()
+               if any(k in name.lower() for k in EXCHANGE_KERNELS))
+
+
+def top_kernels(layer, hidden, grad, count: int) -> dict:
+    """The ``count`` kernels with the most device time in one forward+backward (ms, names cut
+    at 90 characters), and their total under "total"."""
+    times = {}
+    for name, ms in kernel_device_ms(layer, hidden, grad).items():  # kernels whose cut names agree add up
+        times[name[:90]] = times.get(name[:90], 0.0) + ms
+    top = sorted(times.items(), key=lambda item: -item[1])[:count]
+    return {"total": round(sum(times.values()), 3), **{name: round(ms, 3) for name, ms in top}}
+
+
+def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_step=1, seed=0, ep=1, kernels=0):
+    """Time one variant; returns (median ms, peak MiB, backend name, exchange ms or None, top
+    kernels or None). ``seed``: of this rank's input; ``ep`` > 1: the config's expert parallelism
+    (the process group must match), and one step's exchange kernels are profiled; ``kernels``:
+    how many of one step's kernels to report by device time."""
     import megatron.core.transformer.transformer_config as tc_module
 
     overrides = VARIANTS[name]
@@ -125,13 +143,14 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
         ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
         backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")
         exchange_time = exchange_ms(layer, hidden, grad) if ep > 1 else None
+        kernel_times = top_kernels(layer, hidden, grad, kernels) if kernels else None
     finally:
         revert()
         if graphs is not None:
             graphs.uninstall()  # the layer's replaying forward refers back to it: free both now
         del layer, graphs
         torch.cuda.empty_cache()
-    return ms, peak, backend, exchange_time
+    return ms, peak, backend, exchange_time, kernel_times
 
 
 def benchmark_parser(description: str, tokens_help: str, precisions: str, out_help: str) -> argparse.ArgumentParser:
@@ -180,6 +199,8 @@ def main(argv=None):
                               "also append the JSON lines to this file")
     parser.add_argument("--microbatches-per-step", type=int, default=1,
                         help="timed iterations between optimizer steps (FP8 weight caches refresh at each)")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="also profile one forward+backward and report this many kernels by device time")
     args = parser.parse_args(argv)
     variants = selected_variants(parser, args)
 
@@ -189,8 +210,9 @@ def main(argv=None):
     for shape_name, shape, tokens, precision in cases(args):
         stock_ms = None
         for variant in variants:
-            ms, peak, backend, _ = run_variant(
-                variant, shape, tokens, precision, args.warmup, args.iters, args.microbatches_per_step
+            ms, peak, backend, _, kernel_times = run_variant(
+                variant, shape, tokens, precision, args.warmup, args.iters, args.microbatches_per_step,
+                kernels=args.kernels,
             )
             stock_ms = ms if variant == "stock" else stock_ms
             emit(dict(
@@ -201,6 +223,7 @@ def main(argv=None):
                 speedup_vs_stock=round(stock_ms / ms, 3),
                 device=device,
                 microbatches_per_step=args.microbatches_per_step,
+                **({"kernels_ms": kernel_times} if kernel_times else {}),
             ), sink)
     if sink:
         sink.close()

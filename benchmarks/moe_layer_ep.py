@@ -48,7 +48,7 @@ def main(argv=None):
     for shape_name, shape, tokens, precision in cases(args):
         stock_ms = None
         for variant in variants:
-            ms, peak, backend, exchange_time = run_variant(
+            ms, peak, backend, exchange_time, _ = run_variant(
                 variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, ep=ep
             )
             per_rank = gather((ms, peak, exchange_time))
