@@ -124,17 +124,15 @@ class ExpertBackend:
                     for s in (submodules.linear_fc1, submodules.linear_fc2))
         return dataclasses.replace(submodules, linear_fc1=fc1, linear_fc2=fc2)
 
-    @classmethod
-    def check_linears(cls, experts) -> None:
-        """Refuse FCs built without this backend's ``linear_step`` (experts not built from the
-        spec ``expert_submodules`` returned): their forward is TE's, not the one called."""
-        for linear in (experts.linear_fc1, experts.linear_fc2):
-            if cls.linear_step is not None and not isinstance(linear, cls.linear_step):
-                raise TypeError(f"the {cls.name} experts' FCs must be built from the spec its expert_submodules "
-                                f"returns (a {cls.linear_step.__name__}); got {type(linear).__name__}")
-
     def __init__(self, experts):
-        """Prepare ``experts`` for this backend (parameter layouts); called once."""
+        """Prepare ``experts`` for this backend (parameter layouts); called once. FCs built
+        without ``linear_step`` (not from the spec ``expert_submodules`` returned) are refused:
+        their forward is TE's, not the one this backend calls."""
+        step = self.linear_step
+        for linear in (experts.linear_fc1, experts.linear_fc2):
+            if step is not None and not isinstance(linear, step):
+                raise TypeError(f"the {self.name} experts' FCs must be built from the spec its expert_submodules "
+                                f"returns (a {step.__name__}); got {type(linear).__name__}")
 
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         return self.stock.forward(experts, x_TH, host_tokens_per_expert(tokens_per_expert_E), probs_T)

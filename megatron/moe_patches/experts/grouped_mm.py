@@ -169,7 +169,7 @@ class GroupedMMBackend(ExpertBackend):
         return None
 
     def __init__(self, experts):
-        self.check_linears(experts)
+        super().__init__(experts)
         config = experts.config
         held = ("weight", "bias") if config.add_bias_linear else ("weight",)
         grouped = {
