@@ -159,7 +159,7 @@ def benchmark_parser(description: str, tokens_help: str, precisions: str, out_he
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     parser.add_argument("--tokens", default="8192", help=tokens_help)
     parser.add_argument("--precisions", default=precisions,
-                        help="comma list of bf16, fp8 (tensorwise), fp8-bf16-wgrad (fp8 with --no-fp8-wgrad)")
+                        help="comma list of bf16, fp8 (tensorwise), fp8-blockwise; a -bf16-wgrad suffix on an FP8 one: --no-fp8-wgrad")
     parser.add_argument("--variants", default="stock", help=f"comma list of {list(VARIANTS)}")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)

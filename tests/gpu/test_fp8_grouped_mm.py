@@ -109,7 +109,7 @@ def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgr
     dy = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
     cache = fp8.FP8WeightCache().get(linear, w)
     columns = fp8.PaddedColumns(offsets_E, rows) if fp8_wgrad else None
-    y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache, columns)
+    y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache.weights, columns)
     y.backward(dy)
 
     def dequantized(t_RC):
@@ -117,7 +117,7 @@ def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgr
         return q.double() * scale_inv_R.double()[:, None]
 
     x_deq, dy_deq = dequantized(x.detach()), dequantized(dy)
-    w_deq = cache.w8_EOI.double() * cache.scale_inv_E.double()[:, None, None]
+    w_deq = cache.weights.w8_EOI.double() * cache.weights.scale_inv_E.double()[:, None, None]
     want_y, want_dx = torch.empty(rows, out_features).double().cuda(), torch.empty(rows, in_features).double().cuda()
     want_dw = torch.zeros_like(w_deq)
     for e, (end, count) in enumerate(zip(offsets_E.tolist(), counts)):

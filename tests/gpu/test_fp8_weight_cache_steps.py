@@ -94,7 +94,7 @@ def test_fp8_weight_copies_follow_a_megatron_core_optimizer_step(single_gpu, dis
         weights = [grouped_param(linear).detach().clone() for linear in linears]
         _train_step(model, optimizer, hidden, grad)  # two micro-batches, then the step
         assert [c.refreshes for c in caches] == [1, 1]  # once for both micro-batches
-        first = [c.w8_EOI.clone() for c in caches]
+        first = [c.weights.w8_EOI.clone() for c in caches]
         torch.cuda.synchronize()
         stepped = [grouped_param(linear).detach().clone() for linear in linears]
         assert all(not torch.equal(a, b) for a, b in zip(weights, stepped)), "the step changed no expert weight"
@@ -105,13 +105,13 @@ def test_fp8_weight_copies_follow_a_megatron_core_optimizer_step(single_gpu, dis
         _train_step(model, optimizer, hidden, grad, step_optimizer=False)  # the next step's micro-batches
         torch.cuda.synchronize()
         refreshes = [c.refreshes for c in caches]
-        changed = [not torch.equal(c.w8_EOI.view(torch.uint8), f.view(torch.uint8)) for c, f in zip(caches, first)]
+        changed = [not torch.equal(c.weights.w8_EOI.view(torch.uint8), f.view(torch.uint8)) for c, f in zip(caches, first)]
         matches = []
         for cache, w_EOI in zip(caches, stepped):
             w8_EOI, w8_EIO, scale_inv_E = fp8.quantize_weights(w_EOI)
-            matches.append(torch.equal(cache.w8_EOI.view(torch.uint8), w8_EOI.view(torch.uint8))
-                           and torch.equal(cache.w8_EIO.view(torch.uint8), w8_EIO.view(torch.uint8))
-                           and torch.equal(cache.scale_inv_E, scale_inv_E))
+            matches.append(torch.equal(cache.weights.w8_EOI.view(torch.uint8), w8_EOI.view(torch.uint8))
+                           and torch.equal(cache.weights.w8_EIO.view(torch.uint8), w8_EIO.view(torch.uint8))
+                           and torch.equal(cache.weights.scale_inv_E, scale_inv_E))
     finally:
         revert()
     print(json.dumps({"distributed": distributed, "refreshes": refreshes, "changed": changed, "matches": matches}))

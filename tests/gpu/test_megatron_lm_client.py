@@ -41,6 +41,7 @@ TINY = [
 ]
 FAST = ["--moe-device-tokens-per-expert"]
 FP8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+FP8_BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
 RESUME = ["--override-opt_param-scheduler"]  # the resumed runs train longer than the saving one
 
 
@@ -93,6 +94,22 @@ def test_graphed_training_captures_every_moe_layer_and_equals_eager(impl, precis
           f"eager {eager}; graphed {graphed}")
     assert captured_layers(output) == [LAYERS]
     assert graphed == eager  # the printed losses, every iteration (replays are bitwise eager)
+
+
+def test_blockwise_fp8_trains_on_the_fast_path_and_tracks_bf16():
+    """--fp8-recipe blockwise under Megatron-LM's loop: the FP8 grouped-GEMM experts run (no
+    fallback to TE's experts is logged), graphed training equals eager, and the loss curve
+    tracks bf16's within 5 %."""
+    bf16, _ = megatron_lm(*FAST)
+    eager, output = megatron_lm(*FAST, *FP8_BLOCKWISE)
+    assert "run the TE backend" not in output, output[-3000:]
+    graphed, output = megatron_lm(*FAST, *FP8_BLOCKWISE, *graphs("local"))
+    print(f"blockwise: eager {eager}; graphed {graphed}; bf16 {bf16}")
+    assert captured_layers(output) == [LAYERS]
+    assert graphed == eager
+    assert sorted(eager) == sorted(bf16)
+    for step in bf16:
+        assert float(eager[step]) == pytest.approx(float(bf16[step]), rel=0.05)
 
 
 def test_the_series_at_its_defaults_trains_as_stock_megatron_lm():

@@ -6,6 +6,7 @@ Each case runs in its own process: a failed capture leaves the CUDA RNG in captu
 which would poison every later case of the session."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -28,8 +29,11 @@ CASES = {
     "alltoall-fp8-top8": ("alltoall", "fp8", 64, 8, 512, {}),
     "allgather-fp8-top2": ("allgather", "fp8", 32, 2, 400, {}),
     "alltoall-fp8-top1-idle-experts": ("alltoall", "fp8", 128, 1, 200, {}),
+    "alltoall-fp8-blockwise-top8": ("alltoall", "fp8-blockwise", 64, 8, 512,
+                                    {"moe_ffn_hidden_size": 256, "ffn_hidden_size": 256}),  # whole 128x128 tiles
 }
 QUICK = "alltoall-bf16-top8"
+WEIGHT_QUANTIZATION = re.compile("quantize_both_layouts|weight_tiles")  # the recipes' weight kernels
 
 
 def worker(case, out_path):
@@ -80,7 +84,7 @@ def worker(case, out_path):
     graphs.uninstall()
     eager_b2 = step(*b)  # the eager layer is unchanged by the capture
     after_step = {}
-    if precision == "fp8":
+    if precision.startswith("fp8"):
         # An optimizer step between replays: the FP8 weight copies are requantized once,
         # before the next replay and outside the graphs; later replays requantize nothing.
         torch.optim.SGD(layer.parameters(), lr=0.5).step()  # with eager_b2's gradients
@@ -95,7 +99,7 @@ def worker(case, out_path):
             "replay_after_step": compare(eager_c, replay_c),
             "weights_changed": not torch.equal(eager_c["output"], eager_a["output"]),
             "weight_quantizations_in_replay": sum(
-                e.count for e in prof.key_averages() if "quantize_both_layouts" in e.key),
+                e.count for e in prof.key_averages() if WEIGHT_QUANTIZATION.search(e.key)),
             "kernels_in_replay": sum(e.count for e in prof.key_averages()
                                      if str(getattr(e, "device_type", "")).endswith("CUDA")),
         }

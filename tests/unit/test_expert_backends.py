@@ -31,7 +31,7 @@ def bf16_mlp(x, counts, probs, w1, w2, config, b1=None, b2=None):
 
 
 def cfg(**overrides):
-    late = {k: overrides.pop(k) for k in ("fp8",) if k in overrides}
+    late = {k: overrides.pop(k) for k in ("fp8", "fp8_recipe") if k in overrides}
     config = PatchedTransformerConfig(**{**BASE, **overrides})
     for name, value in late.items():
         setattr(config, name, value)
@@ -220,8 +220,10 @@ def test_a_dropped_layer_is_freed_without_the_garbage_collector():
     gc.collect()
     gc.disable()
     try:
+        config = cfg()
+        config.fp8_recipe = "tensorwise"  # a recipe the FP8 backend implements; the others ignore it
         for backend_class in (*moe_plan.BACKENDS, moe_plan.FALLBACK):
-            owner = experts_shell(cfg(), backend_class)
+            owner = experts_shell(config, backend_class)
             owner.backend = backend_class(owner)
             alive = weakref.ref(owner)
             del owner
@@ -334,11 +336,11 @@ def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
     requantized into the tensors the captured GEMMs read."""
     from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 
-    owner = experts_shell(cfg(fp8="e4m3"), fp8.FP8GroupedMMBackend)  # megatron-core marks steps under FP8
+    owner = experts_shell(cfg(fp8="e4m3", fp8_recipe="tensorwise"), fp8.FP8GroupedMMBackend)  # megatron-core marks steps under FP8
     backend = fp8.FP8GroupedMMBackend(owner)
     caches = [backend._caches[owner.linear_fc1], backend._caches[owner.linear_fc2]]
     backend.refresh_weight_caches()
-    held = [(c.w8_EOI, c.scale_inv_E) for c in caches]
+    held = [(c.weights.w8_EOI, c.weights.scale_inv_E) for c in caches]
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [1, 1]
     with torch.no_grad():
@@ -348,9 +350,9 @@ def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
     owner.set_is_first_microbatch()  # megatron-core's schedule, at the next step's first micro-batch
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [2, 2]
-    assert all(c.w8_EOI is w and c.scale_inv_E is s for c, (w, s) in zip(caches, held))
+    assert all(c.weights.w8_EOI is w and c.weights.scale_inv_E is s for c, (w, s) in zip(caches, held))
     w8_EOI, _, scale_inv_E = fp8.quantize_weights(f8.grouped_param(owner.linear_fc2).detach())
-    assert torch.equal(caches[1].w8_EOI.float(), w8_EOI.float()) and torch.equal(caches[1].scale_inv_E, scale_inv_E)
+    assert torch.equal(caches[1].weights.w8_EOI.float(), w8_EOI.float()) and torch.equal(caches[1].weights.scale_inv_E, scale_inv_E)
 
 
 @pytest.mark.parametrize("capability, reason", [((9, 0), None), ((10, 0), None), ((8, 0), "Hopper (sm90) or newer")])

@@ -98,11 +98,11 @@ def test_weight_cache_refreshes_only_when_the_weights_may_have_changed():
     cache = fp8.FP8WeightCache()
     w = torch.stack([p.detach() for p in params])
     cache.get(linear, w)
-    first = cache.w8_EOI
+    first = cache.weights.w8_EOI
     cache.get(linear, w)
-    assert cache.refreshes == 1 and cache.w8_EOI is first  # same weights: no requantization
+    assert cache.refreshes == 1 and cache.weights.w8_EOI is first  # same weights: no requantization
     # dgrad layout: the same FP8 values, transposed
-    assert torch.equal(cache.w8_EIO.float(), cache.w8_EOI.transpose(1, 2).float())
+    assert torch.equal(cache.weights.w8_EIO.float(), cache.weights.w8_EOI.transpose(1, 2).float())
     with torch.no_grad():
         params[1].mul_(2)  # written in place (a checkpoint load): its version moves
     cache.get(linear, torch.stack([p.detach() for p in params]))
@@ -118,7 +118,7 @@ def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
     params = list(linear.parameters())
     cache = fp8.FP8WeightCache()
     cache.get(linear, torch.stack([p.detach() for p in params]))
-    held = (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)
+    held = (cache.weights.w8_EOI, cache.weights.w8_EIO, cache.weights.scale_inv_E)
     pointers = [t.data_ptr() for t in held]
     with torch.no_grad():
         params[2].mul_(-3)
@@ -126,15 +126,15 @@ def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
     assert cache.stale(linear)
     cache.get(linear, w_EOI)
     assert not cache.stale(linear) and cache.refreshes == 2
-    assert all(a is b for a, b in zip(held, (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)))
+    assert all(a is b for a, b in zip(held, (cache.weights.w8_EOI, cache.weights.w8_EIO, cache.weights.scale_inv_E)))
     assert [t.data_ptr() for t in held] == pointers
     rows = w_EOI.reshape(-1, w_EOI.shape[-1])
     expert_R = torch.arange(3).repeat_interleave(w_EOI.shape[1])
     deq_ref, scale_inv_ref = reference_quantize(rows, expert_R, 3)
-    deq = cache.w8_EOI.double() * cache.scale_inv_E.double()[:, None, None]
-    torch.testing.assert_close(cache.scale_inv_E.double(), scale_inv_ref, rtol=2.0**-23, atol=0)
+    deq = cache.weights.w8_EOI.double() * cache.weights.scale_inv_E.double()[:, None, None]
+    torch.testing.assert_close(cache.weights.scale_inv_E.double(), scale_inv_ref, rtol=2.0**-23, atol=0)
     torch.testing.assert_close(deq.reshape(rows.shape), deq_ref, rtol=1e-6, atol=0)
-    assert torch.equal(cache.w8_EIO.float(), cache.w8_EOI.transpose(1, 2).float())
+    assert torch.equal(cache.weights.w8_EIO.float(), cache.weights.w8_EOI.transpose(1, 2).float())
 
 
 BASE = dict(
@@ -262,7 +262,7 @@ def test_a_fallback_from_the_asked_backend_is_logged_once_and_only_for_its_preci
         moe_plan.plan_for(fp8_config(fp8_recipe="delayed")).log_choices()
     lines = [r.getMessage() for r in caplog.records if "expert backend" in r.getMessage()]  # not F1's line
     assert lines == ["moe_device_tokens_per_expert: not the fp8_grouped_mm expert backend because of "
-                     "--fp8-recipe delayed: it implements tensorwise (current) scaling only"]
+                     "--fp8-recipe delayed: it implements tensorwise (current) and blockwise scaling only"]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=moe_plan.__name__):
         moe_plan.plan_for(fp8_config(fp8=None, expert_tensor_parallel_size=2)).log_choices()

@@ -37,7 +37,7 @@ BASE = dict(
 def fp8_backend(**overrides):
     """The FP8 experts' backend over a CPU stand-in of the experts module."""
     config = PatchedTransformerConfig(**{**BASE, **overrides})
-    config.fp8 = "e4m3"  # set late: megatron-core checks TE for it at construction
+    config.fp8, config.fp8_recipe = "e4m3", "tensorwise"  # set late: megatron-core checks TE for FP8 at construction
     owner = experts_shell(fp8.FP8GroupedMMBackend, config, EXPERTS, (OUT, IN), (OUT, IN))
     return owner, fp8.FP8GroupedMMBackend(owner)
 
@@ -79,9 +79,9 @@ def current_fp8(linear):
 
 def assert_cache_holds(cache, expected):
     w8_EOI, w8_EIO, scale_inv_E = expected
-    assert torch.equal(cache.scale_inv_E, scale_inv_E)
-    assert torch.equal(cache.w8_EOI.view(torch.uint8), w8_EOI.view(torch.uint8))
-    assert torch.equal(cache.w8_EIO.view(torch.uint8), w8_EIO.view(torch.uint8))
+    assert torch.equal(cache.weights.scale_inv_E, scale_inv_E)
+    assert torch.equal(cache.weights.w8_EOI.view(torch.uint8), w8_EOI.view(torch.uint8))
+    assert torch.equal(cache.weights.w8_EIO.view(torch.uint8), w8_EIO.view(torch.uint8))
 
 
 def test_the_steps_first_micro_batch_refreshes_the_copies_a_graph_replays():
@@ -89,8 +89,8 @@ def test_the_steps_first_micro_batch_refreshes_the_copies_a_graph_replays():
     linears = (owner.linear_fc1, owner.linear_fc2)
     backend.refresh_weight_caches()  # the warm-up before a capture quantizes once
     caches = [backend._caches[linear] for linear in linears]
-    held = [(c.w8_EOI, c.w8_EIO, c.scale_inv_E) for c in caches]
-    old = [c.w8_EOI.clone() for c in caches]
+    held = [(c.weights.w8_EOI, c.weights.w8_EIO, c.weights.scale_inv_E) for c in caches]
+    old = [c.weights.w8_EOI.clone() for c in caches]
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [1, 1]  # nothing changed: no requantization
 
@@ -101,9 +101,9 @@ def test_the_steps_first_micro_batch_refreshes_the_copies_a_graph_replays():
     assert [c.refreshes for c in caches] == [2, 2]
     for cache, linear, tensors, before in zip(caches, linears, held, old):
         assert_cache_holds(cache, current_fp8(linear))
-        assert not torch.equal(cache.w8_EOI.view(torch.uint8), before.view(torch.uint8))
+        assert not torch.equal(cache.weights.w8_EOI.view(torch.uint8), before.view(torch.uint8))
         # in place: the graph's GEMMs read these very tensors
-        assert all(a is b for a, b in zip(tensors, (cache.w8_EOI, cache.w8_EIO, cache.scale_inv_E)))
+        assert all(a is b for a, b in zip(tensors, (cache.weights.w8_EOI, cache.weights.w8_EIO, cache.weights.scale_inv_E)))
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [2, 2]  # once per step, not per micro-batch
 
@@ -114,7 +114,7 @@ def test_the_steps_first_micro_batch_refreshes_the_copies_of_a_grouped_weight_in
     assert tuple(fc2.weight.shape) == (EXPERTS, OUT, IN)  # one [E, out, in] parameter
     cache = backend._caches[fc2]
     cache.get(fc2, grouped_param(fc2))  # a forward's FC2 GEMM: quantizes on first use
-    before = cache.w8_EOI.clone()
+    before = cache.weights.w8_EOI.clone()
     cache.get(fc2, grouped_param(fc2))  # the next micro-batch
     assert cache.refreshes == 1 and fc2.is_first_microbatch is False
 
@@ -124,7 +124,7 @@ def test_the_steps_first_micro_batch_refreshes_the_copies_of_a_grouped_weight_in
     cache.get(fc2, grouped_param(fc2))
     assert cache.refreshes == 2
     assert_cache_holds(cache, current_fp8(fc2))
-    assert not torch.equal(cache.w8_EOI.view(torch.uint8), before.view(torch.uint8))
+    assert not torch.equal(cache.weights.w8_EOI.view(torch.uint8), before.view(torch.uint8))
 
 
 def test_a_step_that_changes_nothing_the_counters_see_needs_the_schedules_mark():
@@ -160,10 +160,10 @@ def test_a_weight_written_in_place_refreshes_its_own_fc_only():
     owner, backend = fp8_backend()
     backend.refresh_weight_caches()
     caches = [backend._caches[owner.linear_fc1], backend._caches[owner.linear_fc2]]
-    untouched = caches[1].w8_EOI.clone()
+    untouched = caches[1].weights.w8_EOI.clone()
     with torch.no_grad():
         owner.linear_fc1.weight2.mul_(-2)
     backend.refresh_weight_caches()
     assert [c.refreshes for c in caches] == [2, 1]
     assert_cache_holds(caches[0], current_fp8(owner.linear_fc1))
-    assert torch.equal(caches[1].w8_EOI.view(torch.uint8), untouched.view(torch.uint8))
+    assert torch.equal(caches[1].weights.w8_EOI.view(torch.uint8), untouched.view(torch.uint8))

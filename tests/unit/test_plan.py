@@ -90,7 +90,7 @@ def test_every_decision_with_its_reason(moe_config, hopper_node):
     config.moe_symmetric_exchange = True  # set late: the plan alone decides
     te_backend = ("the experts run the te backend, which needs host split sizes (fp8_grouped_mm or grouped_mm "
                   "needed)")
-    fp8_refusal = "--fp8-recipe delayed: it implements tensorwise (current) scaling only"
+    fp8_refusal = "--fp8-recipe delayed: it implements tensorwise (current) and blockwise scaling only"
     expected = moe_plan.MoEPlan(
         backend=TEBackend,
         backend_support=(

@@ -40,11 +40,12 @@ with one log line naming why.
 
 import functools
 import math
-from typing import Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.experts import fp8_blockwise
 from megatron.moe_patches.experts.backend import FP8
 from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups, grouped_param, weight_params
 
@@ -54,8 +55,17 @@ FP8_DTYPE = torch.float8_e4m3fn
 # --- the weights' FP8 cache: valid until the next step's first micro-batch or a weight write ---
 
 
+class TensorwiseWeights(NamedTuple):
+    """One FC's weights in E4M3 with one scale per expert, in the fprop and the dgrad layout."""
+
+    w8_EOI: torch.Tensor
+    w8_EIO: torch.Tensor
+    scale_inv_E: torch.Tensor
+
+
 class FP8WeightCache:
-    """One FC's weights in FP8, in the forward and the dgrad layout, with their scales.
+    """One FC's weights in FP8 as its recipe's GEMMs read them (``weights``: the result of
+    ``quantize(w_EOI, into)``, e.g. ``TensorwiseWeights``).
 
     Refreshed as megatron-core's TE linear layers refresh theirs: at the first micro-batch of a
     step (megatron-core's schedules set the FC module's ``is_first_microbatch`` through
@@ -67,9 +77,10 @@ class FP8WeightCache:
     first step's copies. A refresh writes into the same tensors: a CUDA graph that captured GEMMs
     reading them (F11) reads the current copies after each refresh, which runs outside it."""
 
-    def __init__(self):
+    def __init__(self, quantize=None):
+        self._quantize = quantize or quantize_weights
         self._key = None
-        self.w8_EOI = self.w8_EIO = self.scale_inv_E = None
+        self.weights = None
         self.refreshes = 0  # how often the weights were quantized (tests read it)
 
     @staticmethod
@@ -85,8 +96,7 @@ class FP8WeightCache:
         """Quantize ``w_EOI`` (``linear``'s weights as one tensor) unless the copies are current;
         the step's first micro-batch is then taken."""
         if self.stale(linear):
-            into = None if self.w8_EOI is None else (self.w8_EOI, self.w8_EIO, self.scale_inv_E)
-            self.w8_EOI, self.w8_EIO, self.scale_inv_E = quantize_weights(w_EOI.detach(), into)
+            self.weights = self._quantize(w_EOI.detach(), self.weights)
             self._key = self._key_of(linear)
             self.refreshes += 1
         linear.is_first_microbatch = False
@@ -177,10 +187,10 @@ class PaddedColumns:
         return qt_CP
 
 
-def quantize_weights(w_EOI: torch.Tensor, into=None):
-    """(w8_EOI, w8_EIO, scale_inv_E): the weights in E4M3, one scale per expert, in the
-    forward layout and the dgrad layout (transposed per expert), written in one pass; into
-    the tensors ``into`` (an earlier result of the same shapes) when given."""
+def quantize_weights(w_EOI: torch.Tensor, into: Optional[TensorwiseWeights] = None) -> TensorwiseWeights:
+    """The weights in E4M3, one scale per expert, in the forward layout and the dgrad layout
+    (transposed per expert), written in one pass; into the tensors ``into`` (an earlier result
+    of the same shapes) when given."""
     experts, out_features, in_features = w_EOI.shape
     w_EOI = w_EOI.contiguous()
     if not w_EOI.is_cuda:
@@ -188,7 +198,7 @@ def quantize_weights(w_EOI: torch.Tensor, into=None):
         expert_R = torch.arange(experts, dtype=torch.int32).repeat_interleave(out_features)
         q_R, _, scale_inv_E, _ = quantize_per_expert(rows, expert_R, experts)
         w8_EOI = q_R.view(experts, out_features, in_features)
-        result = (w8_EOI, w8_EOI.transpose(1, 2).contiguous(), scale_inv_E)
+        result = TensorwiseWeights(w8_EOI, w8_EOI.transpose(1, 2).contiguous(), scale_inv_E)
         if into is None:
             return result
         for target, value in zip(into, result):
@@ -209,7 +219,7 @@ def quantize_weights(w_EOI: torch.Tensor, into=None):
         quantize_both_layouts_kernel[grid](
             w_EOI, scale_E, w8_EOI, w8_EIO, out_features, in_features, FP8_MAX=E4M3_MAX, TILE=tile, num_warps=4
         )
-    return w8_EOI, w8_EIO, scale_inv_E
+    return TensorwiseWeights(w8_EOI, w8_EIO, scale_inv_E)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -309,25 +319,25 @@ class _FP8GroupedLinear(torch.autograd.Function):
     ``columns`` (the transposed copies' layout) is given, else in bf16."""
 
     @staticmethod
-    def forward(ctx, x_TI, w_EOI, offsets_E, expert_T, cache: FP8WeightCache, columns: Optional[PaddedColumns]):
+    def forward(ctx, x_TI, w_EOI, offsets_E, expert_T, weights: TensorwiseWeights, columns: Optional[PaddedColumns]):
         experts, out_features, in_features = w_EOI.shape
         fp8_wgrad = columns is not None and w_EOI.requires_grad
         x8_TI, x_scale_inv_T, x_scale_inv_E, x8_IP = quantize_per_expert(
             x_TI, expert_T, experts, columns if fp8_wgrad else None)
         y_TO = torch._scaled_grouped_mm(
-            x8_TI, cache.w8_EOI.transpose(1, 2), x_scale_inv_T, _expand(cache.scale_inv_E, out_features),
+            x8_TI, weights.w8_EOI.transpose(1, 2), x_scale_inv_T, _expand(weights.scale_inv_E, out_features),
             offs=offsets_E, out_dtype=x_TI.dtype, use_fast_accum=True,
         )
         # wgrad's input: the FP8 transposed copy, or the bf16 rows
         ctx.save_for_backward(x8_IP if fp8_wgrad else x_TI, x_scale_inv_E, offsets_E, expert_T)
-        ctx.cache, ctx.columns, ctx.fp8_wgrad, ctx.w_dtype = cache, columns, fp8_wgrad, w_EOI.dtype
+        ctx.weights, ctx.columns, ctx.fp8_wgrad, ctx.w_dtype = weights, columns, fp8_wgrad, w_EOI.dtype
         return y_TO
 
     @staticmethod
     def backward(ctx, dy_TO):
         x_saved, x_scale_inv_E, offsets_E, expert_T = ctx.saved_tensors
-        cache, columns = ctx.cache, ctx.columns
-        experts, in_features, out_features = cache.w8_EIO.shape
+        weights, columns = ctx.weights, ctx.columns
+        experts, in_features, out_features = weights.w8_EIO.shape
         fp8_wgrad = ctx.fp8_wgrad
         dy_TO = dy_TO.contiguous()
         if ctx.needs_input_grad[0] or fp8_wgrad:  # else only the bf16 wgrad reads dy
@@ -336,7 +346,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         dx_TI = dw_EOI = None
         if ctx.needs_input_grad[0]:
             dx_TI = torch._scaled_grouped_mm(
-                dy8_TO, cache.w8_EIO.transpose(1, 2), dy_scale_inv_T, _expand(cache.scale_inv_E, in_features),
+                dy8_TO, weights.w8_EIO.transpose(1, 2), dy_scale_inv_T, _expand(weights.scale_inv_E, in_features),
                 offs=offsets_E, out_dtype=dy_TO.dtype, use_fast_accum=True,
             )
         if fp8_wgrad:
@@ -351,28 +361,66 @@ class _FP8GroupedLinear(torch.autograd.Function):
         return dx_TI, dw_EOI, None, None, None, None
 
 
+def tensorwise_linear(groups: RowGroups, fp8_wgrad: bool):
+    """(x_TI, w_EOI, weights) -> y_TO over ``groups``' rows; ``weights`` is the FC's cached
+    ``TensorwiseWeights``."""
+    columns = None
+    if fp8_wgrad:
+        columns = groups.derived("fp8_wgrad_columns", lambda g: PaddedColumns(g.offsets_E, g.num_rows))
+    return lambda x_TI, w_EOI, weights: _FP8GroupedLinear.apply(
+        x_TI, w_EOI, groups.offsets_E, groups.expert_T, weights, columns)
+
+
+class FP8Recipe(NamedTuple):
+    """What one FP8 recipe of the fast path computes with: how an FC's weights are quantized
+    once per step (``quantize(w_EOI, into)``), and its grouped linear
+    (``linear(groups, fp8_wgrad)`` -> (x_TI, w_EOI, weights) -> y_TO)."""
+
+    quantize: Callable
+    linear: Callable
+
+
+RECIPES = {
+    "tensorwise": FP8Recipe(quantize_weights, tensorwise_linear),
+    "blockwise": FP8Recipe(fp8_blockwise.quantize_weight_tiles, fp8_blockwise.blockwise_linear),
+}
+BLOCKWISE_SIZES = ("hidden_size", "moe_ffn_hidden_size")  # each FC's in and out features
+
+
 class FP8GroupedMMBackend(GroupedMMBackend):
-    """Sync-free FP8 experts: one torch._scaled_grouped_mm per FC (tensorwise recipe, sm90)."""
+    """Sync-free FP8 experts, one grouped GEMM per FC on Hopper: tensorwise through
+    torch._scaled_grouped_mm, blockwise through the Triton kernels (``fp8_blockwise``)."""
 
     name = "fp8_grouped_mm"
     precisions = (FP8,)
     precision_note = "bf16 runs the grouped_mm backend"
-    fp8_recipes = ("tensorwise",)
-    alignment = 1  # the FP8 grouped GEMM takes any rows per expert: nobody pads
+    fp8_recipes = tuple(RECIPES)
+    alignment = 1  # the FP8 grouped GEMMs take any rows per expert: nobody pads
 
     @classmethod
     def unavailable(cls, config) -> Optional[str]:
         if not hasattr(torch, "_scaled_grouped_mm"):
             return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
         if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
-            return "torch's FP8 grouped GEMM runs on Hopper (sm90) only"
+            return "its FP8 grouped GEMMs run on Hopper (sm90) only"
         if not cap.triton_available():
             return "it needs Triton"
+        if config.fp8_recipe == "blockwise":
+            for field in BLOCKWISE_SIZES:
+                size = getattr(config, field)
+                if size is not None and size % 128:
+                    return (f"--fp8-recipe blockwise needs --{field.replace('_', '-')} ({size}) to be a multiple "
+                            f"of 128 (whole 128x128 weight tiles)")
         return super().unavailable(config)
 
     def __init__(self, experts):
         super().__init__(experts)
-        self._caches = {experts.linear_fc1: FP8WeightCache(), experts.linear_fc2: FP8WeightCache()}
+        recipe = experts.config.fp8_recipe
+        if recipe not in RECIPES:
+            raise ValueError(f"the {self.name} backend implements --fp8-recipe {' or '.join(RECIPES)}, not {recipe}")
+        self._recipe = RECIPES[recipe]
+        self._caches = {linear: FP8WeightCache(self._recipe.quantize)
+                        for linear in (experts.linear_fc1, experts.linear_fc2)}
         self._fp8_wgrad = experts.config.fp8_wgrad  # --no-fp8-wgrad: weight gradients in bf16
 
     def refresh_weight_caches(self):
@@ -384,12 +432,9 @@ class FP8GroupedMMBackend(GroupedMMBackend):
                     cache.get(linear, grouped_param(linear))
 
     def gemm(self, groups: RowGroups):
-        columns = None
-        if self._fp8_wgrad:
-            columns = groups.derived("fp8_wgrad_columns", lambda g: PaddedColumns(g.offsets_E, g.num_rows))
+        linear_step = self._recipe.linear(groups, self._fp8_wgrad)
 
         def fp8_gemm(linear, x_TI, w_EOI):
-            cache = self._caches[linear].get(linear, w_EOI)
-            return _FP8GroupedLinear.apply(x_TI, w_EOI, groups.offsets_E, groups.expert_T, cache, columns)
+            return linear_step(x_TI, w_EOI, self._caches[linear].get(linear, w_EOI).weights)
 
         return fp8_gemm

@@ -321,8 +321,12 @@ def _kernels():
                 if BLOCKWISE:
                     kb = k // BK
                     sa = tl.load(sa_ptr + rows.to(tl.int64) * sa_stride_t + kb * sa_stride_k, mask=row_in, other=0.0)
-                    sb = tl.load(sb_ptr + (e * Nt + cols // BK) * Kt + kb, mask=col_in, other=0.0)
-                    acc += tl.dot(a, b.T) * sa[:, None] * sb[None, :]
+                    if BN == BK:  # one 128x128 weight tile: one scale for the whole output tile
+                        sab = sa * tl.load(sb_ptr + (e * Nt + n0 // BK) * Kt + kb)
+                        acc += tl.dot(a, b.T) * sab[:, None]
+                    else:
+                        sb = tl.load(sb_ptr + (e * Nt + cols // BK) * Kt + kb, mask=col_in, other=0.0)
+                        acc += tl.dot(a, b.T) * sa[:, None] * sb[None, :]
                 elif FAST_ACCUM:
                     acc = tl.dot(a, b.T, acc)
                 else:

@@ -60,11 +60,15 @@ def init_expert_parallel(seed: int = 1234) -> int:
     return world
 
 
+PRECISIONS = ("bf16", "fp8", "fp8-bf16-wgrad", "fp8-blockwise", "fp8-blockwise-bf16-wgrad")
+
+
 def moe_config_kwargs(shape: MoEShape, precision: str = "bf16", **overrides) -> dict:
     """Constructor kwargs of a TransformerConfig for one SwiGLU MoE layer of ``shape``.
 
-    ``precision``: "bf16", "fp8" for FP8 tensorwise (current scaling) on bf16 params, or
-    "fp8-bf16-wgrad": the same with ``fp8_wgrad=False`` (weight gradients in bf16).
+    ``precision``: "bf16"; "fp8" for FP8 tensorwise (current scaling) on bf16 params;
+    "fp8-blockwise" for FP8 blockwise (1x128 / 128x128 scales); a "-bf16-wgrad" suffix on
+    either FP8 one sets ``fp8_wgrad=False`` (weight gradients in bf16).
     """
     kwargs = dict(
         num_layers=1,
@@ -85,10 +89,11 @@ def moe_config_kwargs(shape: MoEShape, precision: str = "bf16", **overrides) -> 
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    if precision in ("fp8", "fp8-bf16-wgrad"):
-        kwargs.update(fp8="e4m3", fp8_recipe="tensorwise", fp8_wgrad=precision == "fp8")
+    if precision in PRECISIONS[1:]:
+        recipe = "blockwise" if precision.startswith("fp8-blockwise") else "tensorwise"
+        kwargs.update(fp8="e4m3", fp8_recipe=recipe, fp8_wgrad=not precision.endswith("-bf16-wgrad"))
     elif precision != "bf16":
-        raise ValueError(f"precision={precision!r}: expected 'bf16', 'fp8' or 'fp8-bf16-wgrad'")
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
     kwargs.update(overrides)
     return kwargs
 

@@ -1,0 +1,80 @@
+"""F10's blockwise recipe: the FP8 experts with TE's Float8BlockScaling semantics
+(``--fp8-recipe blockwise``), sync-free, one grouped GEMM per FC.
+
+Scales as TE's recipe sets them on Hopper: 1x128 for the activations and output gradients
+(one per row and 128 features), 128x128 for the weights, powers of two, E4M3 throughout
+(``kernels.fp8_scaling`` defines the arithmetic). Every scale covers its own block, so each
+quantization is a single pass (``kernels.fp8_blockwise_quantize``): no amax pass, nothing
+that waits for a whole tensor.
+
+- fprop and dgrad: ``kernels.fp8_grouped_gemm.fp8_grouped_nt`` (Triton, device offsets),
+  which adds each 128-wide K block's product into the fp32 accumulator with its two scales.
+  dgrad reads the weights' transposed copy; a 128x128 tile covers the same elements either
+  way, so both copies are quantized from one read, once per optimizer step (the FC's
+  ``FP8WeightCache``, refreshed as for tensorwise).
+- wgrad: FP8 (``fp8_wgrad``, the default) as TE's recipe does it: the input and the output
+  gradient quantized again along the tokens (1x128 per channel over 128 tokens of one
+  expert, into token-major copies whose expert segments start at multiples of 128), then
+  ``fp8_grouped_wgrad``. With ``--no-fp8-wgrad`` it is one bf16 ``torch._grouped_mm`` from
+  the saved bf16 input.
+
+Off CUDA the same arithmetic runs through the kernels' PyTorch twins (tests).
+Needs hidden and expert FFN sizes that are multiples of 128 (whole 128x128 weight tiles).
+"""
+
+import torch
+
+from megatron.moe_patches.kernels import fp8_grouped_gemm as gemms
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import (
+    WeightTiles, quantize_rows, quantize_token_major, quantize_weight_tiles)
+
+
+def _grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b):
+    gemm = gemms.fp8_grouped_nt if a8_TK.is_cuda else gemms.fp8_grouped_nt_reference
+    return gemm(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, "blockwise")
+
+
+def _grouped_wgrad(dy, x, out_dtype):
+    """dW_EOI from the token-major FP8 copies of the output gradient and the input."""
+    gemm = gemms.fp8_grouped_wgrad if dy.data_CP.is_cuda else gemms.fp8_grouped_wgrad_reference
+    return gemm(dy.data_CP, x.data_CP, x.padded_ends_E, dy.scale_inv_CPt, x.scale_inv_CPt, "blockwise",
+                out_dtype=out_dtype)
+
+
+class _BlockwiseGroupedLinear(torch.autograd.Function):
+    """y_TO = x_TI @ w_EOI[expert(row)]^T, blockwise FP8 for fprop and dgrad, and for wgrad
+    unless ``fp8_wgrad`` is off (then bf16)."""
+
+    @staticmethod
+    def forward(ctx, x_TI, w_EOI, ends_E, weights: WeightTiles, fp8_wgrad: bool):
+        x8_TI, sx_TIt = quantize_rows(x_TI)
+        y_TO = _grouped_nt(x8_TI, weights.w8_ENK, ends_E, sx_TIt, weights.scale_inv_ENtKt).to(x_TI.dtype)
+        fp8_wgrad = fp8_wgrad and w_EOI.requires_grad
+        # wgrad's input: the token-major FP8 copy (only FP8 is kept), or the bf16 rows
+        ctx.x_saved = quantize_token_major(x_TI, ends_E) if fp8_wgrad else None
+        ctx.save_for_backward(ends_E, None if fp8_wgrad else x_TI)
+        ctx.weights, ctx.fp8_wgrad, ctx.w_dtype = weights, fp8_wgrad, w_EOI.dtype
+        return y_TO
+
+    @staticmethod
+    def backward(ctx, dy_TO):
+        ends_E, x_TI = ctx.saved_tensors
+        weights = ctx.weights
+        dy_TO = dy_TO.contiguous()
+        dx_TI = dw_EOI = None
+        if ctx.needs_input_grad[0]:
+            dy8_TO, sdy_TOt = quantize_rows(dy_TO)
+            dx_TI = _grouped_nt(dy8_TO, weights.w8_EKN, ends_E, sdy_TOt, weights.scale_inv_EKtNt).to(dy_TO.dtype)
+        if ctx.fp8_wgrad:
+            dw_EOI = _grouped_wgrad(quantize_token_major(dy_TO, ends_E), ctx.x_saved, ctx.w_dtype)
+        elif ctx.needs_input_grad[1]:
+            dw_EOI = torch._grouped_mm(dy_TO.t(), x_TI, offs=ends_E)
+        ctx.x_saved = None
+        return dx_TI, dw_EOI, None, None, None
+
+
+def blockwise_linear(groups, fp8_wgrad: bool):
+    """(x_TI, w_EOI, weights) -> y_TO over ``groups``' rows; ``weights`` is the FC's cached
+    ``WeightTiles``."""
+    return lambda x_TI, w_EOI, weights: _BlockwiseGroupedLinear.apply(
+        x_TI, w_EOI, groups.offsets_E, weights, fp8_wgrad)

@@ -1,0 +1,208 @@
+"""Blockwise FP8 quantization for the grouped expert GEMMs (TE's Float8BlockScaling layout),
+one pass over the data each, no amax pass: every scale depends on its own block only.
+
+- ``quantize_rows``: [T, K] activations or output gradients, one scale per row and 128
+  columns (1x128). The scales are stored MN-major ([K/128, T] in memory, viewed as [T, K/128]),
+  so the GEMM's per-row scale reads are coalesced.
+- ``quantize_weight_tiles``: [E, N, K] weights, one scale per 128x128 tile, written in both
+  layouts the GEMMs read (fprop [E, N, K], dgrad [E, K, N]) from one read; a 128x128 tile
+  covers the same elements either way, so both copies hold the same values.
+- ``quantize_token_major``: [T, C] rows grouped by expert, as the token-major [C, P] copy
+  the FP8 wgrad reads (``fp8_grouped_gemm.token_major_layout``: each expert's segment starts
+  at a multiple of 128 columns, zero-padded), one scale per channel and 128 tokens of one
+  expert (1x128 along the tokens, as TE quantizes each expert's input column-wise).
+
+The numerics are ``fp8_scaling``'s (power-of-two scales, epsilon 0, E4M3, NaN skipped by the
+amax and kept): the Triton kernels and these functions' CPU paths (which call
+``fp8_scaling``) give the same bits. Every dimension that is blocked must be a multiple of
+128 (``fp8_scaling``'s ``partial="refuse"``). Graph-safe: no host sync, static sizes.
+"""
+
+import functools
+from typing import NamedTuple, Tuple
+
+import torch
+
+from megatron.moe_patches.kernels import fp8_scaling as fs
+from megatron.moe_patches.kernels.fp8_grouped_gemm import (
+    FP8_DTYPE, SCALE_BLOCK, row_tiles, to_token_major, token_major_layout)
+
+ROW_TILE = 64  # rows per program of quantize_rows
+
+
+class TokenMajorFP8(NamedTuple):
+    """A token-major FP8 copy for the wgrad GEMM and what it needs besides."""
+
+    data_CP: torch.Tensor  # E4M3 [C, P]
+    scale_inv_CPt: torch.Tensor  # float32 [C, P/128], MN-major storage
+    padded_ends_E: torch.Tensor  # int32 [E]
+
+
+def _value_for_inf(dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def _check_blocks(size: int, what: str):
+    if size % SCALE_BLOCK:
+        raise ValueError(f"{what} = {size} is not a multiple of {SCALE_BLOCK}: blockwise FP8 needs whole "
+                         f"{SCALE_BLOCK}-element blocks")
+
+
+def quantize_rows(x_TK: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x8_TK, scale_inv_TKt): 1x128 blocks along the last dimension."""
+    T, K = x_TK.shape
+    _check_blocks(K, "the row length K")
+    if not x_TK.is_cuda:
+        return fs.quantize_1x128(x_TK)
+    x_TK = x_TK.contiguous()
+    x8_TK = torch.empty((T, K), dtype=FP8_DTYPE, device=x_TK.device)
+    scale_inv_KtT = torch.empty((K // SCALE_BLOCK, T), dtype=torch.float32, device=x_TK.device)
+    if T:
+        rows_kernel, _, _ = _kernels()
+        rows_kernel[(-(-T // ROW_TILE), K // SCALE_BLOCK)](
+            x_TK, x8_TK, scale_inv_KtT, T, K, VALUE_FOR_INF=_value_for_inf(x_TK.dtype),
+            BR=ROW_TILE, BLOCK=SCALE_BLOCK, num_warps=4)
+    return x8_TK, scale_inv_KtT.t()
+
+
+class WeightTiles(NamedTuple):
+    """One FC's weights in E4M3 with 128x128 scales, in the fprop and the dgrad layout."""
+
+    w8_ENK: torch.Tensor
+    scale_inv_ENtKt: torch.Tensor
+    w8_EKN: torch.Tensor
+    scale_inv_EKtNt: torch.Tensor
+
+
+def quantize_weight_tiles(w_ENK: torch.Tensor, into: "WeightTiles" = None) -> WeightTiles:
+    """Both layouts of ``w_ENK`` with one scale per 128x128 tile; written into ``into``'s
+    tensors (an earlier result of the same shapes) when given, so readers keep their pointers."""
+    E, N, K = w_ENK.shape
+    _check_blocks(N, "the weight's output features N")
+    _check_blocks(K, "the weight's input features K")
+    if not w_ENK.is_cuda:
+        w8_ENK, s_ENtKt = fs.quantize_128x128(w_ENK)
+        result = WeightTiles(w8_ENK, s_ENtKt, *fs.transpose_128x128(w8_ENK, s_ENtKt))
+        if into is None:
+            return result
+        for target, value in zip(into, result):
+            target.copy_(value)
+        return into
+    w_ENK = w_ENK.contiguous()
+    if into is None:
+        device = w_ENK.device
+        into = WeightTiles(
+            torch.empty((E, N, K), dtype=FP8_DTYPE, device=device),
+            torch.empty((E, N // SCALE_BLOCK, K // SCALE_BLOCK), dtype=torch.float32, device=device),
+            torch.empty((E, K, N), dtype=FP8_DTYPE, device=device),
+            torch.empty((E, K // SCALE_BLOCK, N // SCALE_BLOCK), dtype=torch.float32, device=device))
+    if w_ENK.numel():
+        _, weight_tiles_kernel, _ = _kernels()
+        weight_tiles_kernel[(E, N // SCALE_BLOCK, K // SCALE_BLOCK)](
+            w_ENK, *into, N, K, VALUE_FOR_INF=_value_for_inf(w_ENK.dtype), BLOCK=SCALE_BLOCK, num_warps=8)
+    return into
+
+
+def quantize_token_major(x_TC: torch.Tensor, ends_E: torch.Tensor) -> TokenMajorFP8:
+    """The token-major E4M3 copy of ``x_TC`` (rows grouped by ``ends_E``, int32 cumulative ends
+    on the device) with 1x128 scales along each expert's tokens. Rows past ends_E[-1] are left
+    out; columns past the last expert's padded end are not written (the GEMM never reads them)."""
+    T, C = x_TC.shape
+    _check_blocks(C, "the channel count C")
+    layout = token_major_layout(ends_E, T)
+    if not x_TC.is_cuda:
+        data_CP, scale_inv_CPt = fs.quantize_1x128(to_token_major(x_TC, layout))
+        return TokenMajorFP8(data_CP, scale_inv_CPt, layout.padded_ends_E)
+    x_TC = x_TC.contiguous()
+    P = layout.width
+    data_CP = torch.empty((C, P), dtype=FP8_DTYPE, device=x_TC.device)
+    scale_inv_PtC = torch.empty((P // SCALE_BLOCK, C), dtype=torch.float32, device=x_TC.device)
+    tiles = row_tiles(ends_E, T, SCALE_BLOCK)
+    if T:
+        _, _, token_kernel = _kernels()
+        token_kernel[(tiles.expert.numel(), C // SCALE_BLOCK)](
+            x_TC, data_CP, scale_inv_PtC, tiles.expert, tiles.row_start, tiles.row_end, ends_E,
+            layout.padded_ends_E, C, P, ends_E.numel(), VALUE_FOR_INF=_value_for_inf(x_TC.dtype),
+            BLOCK=SCALE_BLOCK, num_warps=8)
+    return TokenMajorFP8(data_CP, scale_inv_PtC.t(), layout.padded_ends_E)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The three kernels, compiled on first use (Triton is a GPU-side import)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scales(amax, VALUE_FOR_INF: tl.constexpr):
+        # fp8_scaling.scale_from_amax with power-of-two scales and epsilon 0, in float32
+        unscaled = (amax == 0) | (amax == float("inf")) | (amax != amax)
+        scale = tl.fdiv(tl.full(amax.shape, 448.0, tl.float32), tl.where(unscaled, 1.0, amax), ieee_rounding=True)
+        scale = tl.where(scale == float("inf"), VALUE_FOR_INF, scale)
+        scale = tl.where(unscaled, 1.0, scale)
+        scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # keep sign, exponent
+        return scale, tl.fdiv(tl.full(amax.shape, 1.0, tl.float32), scale, ieee_rounding=True)
+
+    @triton.jit
+    def to_e4m3(v):
+        # saturate at +-448, NaN stays NaN, then round to nearest even
+        clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        return tl.where(v != v, v, clamped).to(tl.float8e4nv)
+
+    @triton.jit
+    def magnitude(v):
+        return tl.where(v != v, 0.0, tl.abs(v))  # NaN takes no part in an amax
+
+    @triton.jit
+    def rows_kernel(x_ptr, q_ptr, s_ptr, T, K, VALUE_FOR_INF: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        kb = tl.program_id(1)
+        c = kb * BLOCK + tl.arange(0, BLOCK)
+        row_in = r < T
+        at = r.to(tl.int64)[:, None] * K + c[None, :]
+        v = tl.load(x_ptr + at, mask=row_in[:, None], other=0.0).to(tl.float32)
+        scale, scale_inv = scales(tl.max(magnitude(v), axis=1), VALUE_FOR_INF)
+        tl.store(q_ptr + at, to_e4m3(v * scale[:, None]), mask=row_in[:, None])
+        tl.store(s_ptr + kb.to(tl.int64) * T + r, scale_inv, mask=row_in)
+
+    @triton.jit
+    def weight_tiles_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, VALUE_FOR_INF: tl.constexpr, BLOCK: tl.constexpr):
+        e = tl.program_id(0)
+        nb = tl.program_id(1)
+        kb = tl.program_id(2)
+        n = nb * BLOCK + tl.arange(0, BLOCK)
+        k = kb * BLOCK + tl.arange(0, BLOCK)
+        base = e.to(tl.int64) * N * K
+        v = tl.load(w_ptr + base + n[:, None] * K + k[None, :]).to(tl.float32)
+        scale, scale_inv = scales(tl.max(tl.max(magnitude(v), axis=1), axis=0), VALUE_FOR_INF)
+        q = to_e4m3(v * scale)
+        tl.store(q_ptr + base + n[:, None] * K + k[None, :], q)
+        tl.store(qt_ptr + base + k[None, :] * N + n[:, None], q)
+        Nt = N // BLOCK
+        Kt = K // BLOCK
+        tl.store(s_ptr + (e * Nt + nb) * Kt + kb, scale_inv)
+        tl.store(st_ptr + (e * Kt + kb) * Nt + nb, scale_inv)
+
+    @triton.jit
+    def token_kernel(x_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, ends_ptr, padded_ends_ptr,
+                     C, P, E, VALUE_FOR_INF: tl.constexpr, BLOCK: tl.constexpr):
+        # One expert's 128 tokens x 128 channels, stored transposed at the tokens' padded columns.
+        e = tl.load(tile_expert_ptr + tl.program_id(0))
+        if (e >= 0) & (e < E):
+            row_start = tl.load(tile_start_ptr + tl.program_id(0))
+            row_end = tl.load(tile_end_ptr + tl.program_id(0))
+            first_row = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+            first_column = tl.load(padded_ends_ptr + e - 1, mask=e > 0, other=0)
+            column0 = first_column + (row_start - first_row)  # a multiple of 128
+            t = row_start + tl.arange(0, BLOCK)
+            c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            row_in = t < row_end  # the rest are the segment's zero pad columns
+            v = tl.load(x_ptr + t.to(tl.int64)[:, None] * C + c[None, :], mask=row_in[:, None], other=0.0)
+            v = v.to(tl.float32)
+            scale, scale_inv = scales(tl.max(magnitude(v), axis=0), VALUE_FOR_INF)  # per channel
+            q = to_e4m3(v * scale[None, :])
+            columns = column0 + tl.arange(0, BLOCK)
+            tl.store(q_ptr + c.to(tl.int64)[None, :] * P + columns[:, None], q)
+            tl.store(s_ptr + (column0 // BLOCK).to(tl.int64) * C + c, scale_inv)
+
+    return rows_kernel, weight_tiles_kernel, token_kernel
