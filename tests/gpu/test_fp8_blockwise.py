@@ -73,12 +73,14 @@ def test_weight_tiles_in_both_layouts_equal_the_pytorch_ones(experts, n, k):
 
 
 @pytest.mark.parametrize("counts", [[0, 37, 16, 0, 300, 1, 0, 83], [512] * 4, [129, 127, 256]])
-def test_token_major_quantizer_equals_the_pytorch_one(counts):
-    T = sum(counts) + 5  # rows past the last expert are left out
+def test_row_and_token_major_quantizer_equals_the_pytorch_one(counts):
+    T = sum(counts) + 5  # rows past the last expert: in the row copy, not the token-major one
     x = special_values(torch.randn(T, 256, device="cuda").to(torch.bfloat16))
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).cuda()
-    got = bq.quantize_token_major(x, ends)
-    want = bq.quantize_token_major(x.cpu(), ends.cpu())
+    q, s, got = bq.quantize_rows_and_token_major(x, ends)
+    q_ref, s_ref, want = bq.quantize_rows_and_token_major(x.cpu(), ends.cpu())
+    assert torch.equal(bits(q).cpu(), bits(q_ref)) and torch.equal(s.cpu(), s_ref)
+    assert s.stride() == (1, T)
     assert torch.equal(got.padded_ends_E.cpu(), want.padded_ends_E)
     end = int(want.padded_ends_E[-1])  # columns past it are never read
     assert torch.equal(bits(got.data_CP[:, :end]).cpu(), bits(want.data_CP[:, :end]))

@@ -96,7 +96,9 @@ def test_fp8_wgrad_is_not_the_bf16_wgrad():
 
 def test_token_major_copy_puts_each_expert_at_128_aligned_columns():
     x, _, _, groups = case()
-    copy = bq.quantize_token_major(x, groups.offsets_E)
+    x8, s, copy = bq.quantize_rows_and_token_major(x, groups.offsets_E)
+    x8_rows, s_rows = fs.quantize_1x128(x)  # the row copy: every row, the tail's too
+    assert torch.equal(x8.view(torch.uint8), x8_rows.view(torch.uint8)) and torch.equal(s, s_rows)
     padded = [0] + copy.padded_ends_E.tolist()
     assert padded == [0, 256, 256, 512, 640]  # 130 -> 256, 0, 170 -> 256, 16 -> 128
     for e, seg in segments():

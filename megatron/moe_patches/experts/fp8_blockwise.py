@@ -26,7 +26,7 @@ import torch
 
 from megatron.moe_patches.kernels import fp8_grouped_gemm as gemms
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import (
-    WeightTiles, quantize_rows, quantize_token_major, quantize_weight_tiles)
+    WeightTiles, quantize_rows, quantize_rows_and_token_major, quantize_weight_tiles)
 
 
 def _grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b):
@@ -47,11 +47,14 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TI, w_EOI, ends_E, weights: WeightTiles, fp8_wgrad: bool):
-        x8_TI, sx_TIt = quantize_rows(x_TI)
-        y_TO = _grouped_nt(x8_TI, weights.w8_ENK, ends_E, sx_TIt, weights.scale_inv_ENtKt).to(x_TI.dtype)
         fp8_wgrad = fp8_wgrad and w_EOI.requires_grad
         # wgrad's input: the token-major FP8 copy (only FP8 is kept), or the bf16 rows
-        ctx.x_saved = quantize_token_major(x_TI, ends_E) if fp8_wgrad else None
+        ctx.x_saved = None
+        if fp8_wgrad:
+            x8_TI, sx_TIt, ctx.x_saved = quantize_rows_and_token_major(x_TI, ends_E)
+        else:
+            x8_TI, sx_TIt = quantize_rows(x_TI)
+        y_TO = _grouped_nt(x8_TI, weights.w8_ENK, ends_E, sx_TIt, weights.scale_inv_ENtKt).to(x_TI.dtype)
         ctx.save_for_backward(ends_E, None if fp8_wgrad else x_TI)
         ctx.weights, ctx.fp8_wgrad, ctx.w_dtype = weights, fp8_wgrad, w_EOI.dtype
         return y_TO
@@ -61,12 +64,15 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
         ends_E, x_TI = ctx.saved_tensors
         weights = ctx.weights
         dy_TO = dy_TO.contiguous()
-        dx_TI = dw_EOI = None
-        if ctx.needs_input_grad[0]:
+        dx_TI = dw_EOI = dy_tokens = None
+        if ctx.fp8_wgrad:
+            dy8_TO, sdy_TOt, dy_tokens = quantize_rows_and_token_major(dy_TO, ends_E)
+        elif ctx.needs_input_grad[0]:
             dy8_TO, sdy_TOt = quantize_rows(dy_TO)
+        if ctx.needs_input_grad[0]:
             dx_TI = _grouped_nt(dy8_TO, weights.w8_EKN, ends_E, sdy_TOt, weights.scale_inv_EKtNt).to(dy_TO.dtype)
         if ctx.fp8_wgrad:
-            dw_EOI = _grouped_wgrad(quantize_token_major(dy_TO, ends_E), ctx.x_saved, ctx.w_dtype)
+            dw_EOI = _grouped_wgrad(dy_tokens, ctx.x_saved, ctx.w_dtype)
         elif ctx.needs_input_grad[1]:
             dw_EOI = torch._grouped_mm(dy_TO.t(), x_TI, offs=ends_E)
         ctx.x_saved = None

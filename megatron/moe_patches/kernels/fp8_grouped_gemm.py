@@ -230,22 +230,34 @@ class TokenMajorLayout(NamedTuple):
     width: int
 
 
+def token_major_ends(ends_E: torch.Tensor, num_rows: int):
+    """(padded_ends_E int32 [E], width P) of the token-major layout for ``ends_E``: each
+    expert's token count rounded up to TOKEN_ALIGN, cumulated; P = T + E * (TOKEN_ALIGN - 1)
+    rounded up, plus one spare block (device ops on E elements, static width)."""
+    E = ends_E.numel()
+    ends = ends_E.to(torch.int64)
+    counts_E = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_E = torch.div(counts_E + TOKEN_ALIGN - 1, TOKEN_ALIGN, rounding_mode="floor") * TOKEN_ALIGN
+    width = (-(-(num_rows + E * (TOKEN_ALIGN - 1)) // TOKEN_ALIGN) + 1) * TOKEN_ALIGN
+    return torch.cumsum(padded_E, 0).to(torch.int32), width
+
+
 def token_major_layout(ends_E: torch.Tensor, num_rows: int) -> TokenMajorLayout:
     """The token-major layout for ``ends_E`` (device ops only, static sizes)."""
     E = ends_E.numel()
     device = ends_E.device
     ends = ends_E.to(torch.int64)
     counts_E = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded_E = torch.div(counts_E + TOKEN_ALIGN - 1, TOKEN_ALIGN, rounding_mode="floor") * TOKEN_ALIGN
-    padded_ends_E = torch.cumsum(padded_E, 0)
-    width = (-(-(num_rows + E * (TOKEN_ALIGN - 1)) // TOKEN_ALIGN) + 1) * TOKEN_ALIGN
+    padded_ends_E, width = token_major_ends(ends_E, num_rows)
+    padded_ends = padded_ends_E.to(torch.int64)
     rows = torch.arange(num_rows, device=device)
     expert_T = torch.searchsorted(ends, rows, right=True)
     valid_T = expert_T < E
     e = expert_T.clamp(max=E - 1)
-    column = rows - (ends[e] - counts_E[e]) + (padded_ends_E[e] - padded_E[e])
+    first_column_E = padded_ends - torch.diff(padded_ends, prepend=padded_ends.new_zeros(1))
+    column = rows - (ends[e] - counts_E[e]) + first_column_E[e]
     column_T = torch.where(valid_T, column, torch.full_like(column, width - 1))
-    return TokenMajorLayout(padded_ends_E.to(torch.int32), column_T, valid_T, width)
+    return TokenMajorLayout(padded_ends_E, column_T, valid_T, width)
 
 
 def to_token_major(x_TC: torch.Tensor, layout: TokenMajorLayout) -> torch.Tensor:
