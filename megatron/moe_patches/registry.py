@@ -303,14 +303,17 @@ SERIES: Tuple[Feature, ...] = (
         title="FP8 grouped-GEMM experts",
         changes="With device splits and FP8 tensorwise, the experts run torch._scaled_grouped_mm over all "
         "local experts (per-expert E4M3 scales, Triton quantization, weights quantized once per "
-        "optimizer step, FP8 wgrad unless --no-fp8-wgrad), sync-free and without padding.",
+        "optimizer step, FP8 wgrad unless --no-fp8-wgrad), sync-free and without padding; with FP8 "
+        "blockwise (TE's Float8BlockScaling: 1x128 / 128x128 power-of-two scales) the Triton grouped "
+        "GEMMs of kernels/fp8_grouped_gemm.py with single-pass quantizers (experts/fp8_blockwise.py).",
         fields=(),
         upstream=("none: this project's backend (the FP8 counterpart of F8's grouped_mm)",),
-        te_requirement="none (torch._scaled_grouped_mm on sm90, Triton)",
+        te_requirement="none (torch._scaled_grouped_mm on sm90, Triton; TE only as the reference in GPU tests)",
         te_probe=None,
         native=lambda: False,
         page="patches/F10-fp8-grouped-mm.md",
-        test="tests/unit/test_fp8_grouped_mm.py, tests/gpu/test_fp8_grouped_mm.py",
+        test="tests/unit/test_fp8_grouped_mm.py, tests/unit/test_fp8_blockwise.py, tests/gpu/test_fp8_grouped_mm.py, "
+        "tests/gpu/test_fp8_blockwise.py",
         module="megatron.moe_patches.experts.fp8_grouped_mm",
         bindings=(),
         requires=("C0", "F3", "F8"),

@@ -1,9 +1,12 @@
 """F10: FP8 grouped-GEMM experts for Hopper, sync-free.
 
 With ``moe_device_tokens_per_expert`` and ``--fp8-format e4m3|hybrid --fp8-recipe
-tensorwise``, the experts run ``FP8GroupedMMBackend``: the grouped_mm backend's MLP
-(``experts.grouped_mm.grouped_mm_mlp``) with FC1 and FC2 as ``torch._scaled_grouped_mm`` over
-all local experts, device offsets, no host sync.
+tensorwise|blockwise``, the experts run ``FP8GroupedMMBackend``: the grouped_mm backend's MLP
+(``experts.grouped_mm.grouped_mm_mlp``) with FC1 and FC2 as one FP8 grouped GEMM each over
+all local experts, device offsets, no host sync. The recipe is chosen when the backend is
+built (``RECIPES``: the weights' quantization and the grouped linear); blockwise lives in
+``experts.fp8_blockwise``, this module's text describes tensorwise, whose GEMMs are
+``torch._scaled_grouped_mm``.
 
 Scaling, as TE's current (tensorwise) scaling does it per GEMM: one scale per expert per
 operand, from that expert's amax (``scale = 448 / amax``; 1 where the amax is 0 or not finite,
@@ -34,8 +37,8 @@ weights: the expert's scale per output column), so no rescaling pass is needed.
 - Parameters stay bf16 (the distributed optimizer sees bf16 params and fp32 main params,
   as with the grouped_mm backend); the FP8 copies are a per-step cache, not parameters.
 
-Other recipes (delayed, MXFP8, blockwise) and ``--fp8-param-gather`` keep the TE backend,
-with one log line naming why.
+Other recipes (delayed, MXFP8) and ``--fp8-param-gather`` keep the TE backend, with one log
+line naming why.
 """
 
 import functools

@@ -24,7 +24,9 @@ the factor that turns an FP8 value back into the real one):
   [E]; applied once to the fp32 accumulator in the epilogue. wgrad: per expert for both.
 - ``blockwise`` (TE's Float8BlockScaling layout): A 1x128 [T, Kt] (one per row per 128 K),
   B 128x128 [E, Nt, Kt]; per 128-wide K block the kernel computes the partial product into a
-  fresh fp32 accumulator and adds ``partial * sa[:, None] * sb[None, :]``. wgrad: 1x128 along
+  fresh fp32 accumulator and adds ``partial * sa[:, None] * sb[None, :]`` (with block_n = 128
+  one weight tile spans the output tile: ``partial * (sa * sb)[:, None]``, measured 1.2–1.4x
+  faster on an H100). F10's blockwise experts (``experts/fp8_blockwise.py``) run these. wgrad: 1x128 along
   the tokens for both operands, [N, Pt] and [K, Pt].
 
 Graph safety: no host sync anywhere in the kernel path (no ``.item()``, ``.tolist()``,
