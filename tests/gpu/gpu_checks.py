@@ -18,6 +18,43 @@ def max_rel_error(reference, candidate):
     return worst
 
 
+E4M3_ROUNDOFF = 2.0**-4  # u of E4M3
+TE_GRAD_ROUNDOFF = {"e4m3": 2.0**-4, "hybrid": 2.0**-3}  # TE's gradient format: E4M3 / E5M2
+
+
+def check_fp8_experts_against_stock(kwargs, tokens, case):
+    """Stock TE FP8 experts, the patched FP8 experts and the bf16 grouped_mm ones, each built
+    from ``kwargs`` (seeded: identical weights and inputs), one forward and backward each.
+    The patched output must be within E4M3's u of stock's largest magnitude, each gradient
+    within u plus TE's gradient roundoff, and the patched error against bf16 no larger than
+    stock's (1.25x, plus a bf16 ulp). Returns the patched layer."""
+    import megatron.core.transformer.transformer_config as tc_module
+    from megatron.moe_patches import apply, revert
+
+    bf16_kwargs = {**kwargs, "fp8": None, "fp8_recipe": "delayed"}
+    revert()
+    _, stock = run_layer(tc_module.TransformerConfig(**kwargs), tokens)
+    try:
+        apply()
+        layer, ours = run_layer(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True), tokens)
+        reference_layer, reference = run_layer(
+            tc_module.TransformerConfig(**bf16_kwargs, moe_device_tokens_per_expert=True), tokens)
+    finally:
+        revert()
+    assert layer.experts.backend.name == "fp8_grouped_mm"
+    assert reference_layer.experts.backend.name == "grouped_mm"
+    vs_stock = max_rel_error(stock, ours)
+    ours_vs_bf16, stock_vs_bf16 = max_rel_error(reference, ours), max_rel_error(reference, stock)
+    print(json.dumps({"case": case, "max_rel_vs_stock": {k: round(v, 5) for k, v in vs_stock.items()},
+                      "ours_vs_bf16": max(ours_vs_bf16.values()), "stock_vs_bf16": max(stock_vs_bf16.values())}))
+    assert stock["output"].abs().sum() > 0
+    for name, error in vs_stock.items():
+        allowed = E4M3_ROUNDOFF if name == "output" else E4M3_ROUNDOFF + TE_GRAD_ROUNDOFF[kwargs["fp8"]]
+        assert error <= allowed, (name, error, allowed)
+        assert ours_vs_bf16[name] <= 1.25 * stock_vs_bf16[name] + 2.0**-8, (name, ours_vs_bf16[name], stock_vs_bf16[name])
+    return layer
+
+
 def small_moe_kwargs(experts, topk, activation="swiglu", precision="bf16", **overrides) -> dict:
     """TransformerConfig kwargs of the GPU tests' small MoE layer (hidden 256, FFN 192):
     SwiGLU or quick-GEGLU with megatron-core's fused prob-weighted activation."""

@@ -12,14 +12,10 @@ bf16 once, 2**-8 relative, plus the tensor cores' 14-bit products inside each 12
 (2**-11 of the largest magnitude).
 """
 
-import json
-
 import pytest
 import torch
 
-import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import max_rel_error, run_layer as run, small_moe_kwargs
-from megatron.moe_patches import apply, revert
+from gpu_checks import check_fp8_experts_against_stock, small_moe_kwargs
 from megatron.moe_patches.kernels import fp8_scaling as fs
 
 pytest.importorskip("triton")
@@ -29,10 +25,6 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
 from megatron.moe_patches.experts import fp8_blockwise  # noqa: E402
 from megatron.moe_patches.experts.grouped_mm import RowGroups  # noqa: E402
 from megatron.moe_patches.kernels import fp8_blockwise_quantize as bq  # noqa: E402
-
-U = 2.0**-4
-TE_GRAD_ROUNDOFF = {"e4m3": 2.0**-4, "hybrid": 2.0**-3}
-
 
 def bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -142,24 +134,6 @@ def test_blockwise_backend_matches_stock_te_blockwise(single_gpu, activation, ex
     kwargs = {**small_moe_kwargs(experts, topk, activation, "fp8-blockwise", moe_token_dispatcher_type=dispatcher,
                                  fp8=fp8_format, moe_ffn_hidden_size=256, ffn_hidden_size=256),
               "add_bias_linear": bias, "fp8_wgrad": fp8_wgrad}
-    bf16_kwargs = {**kwargs, "fp8": None, "fp8_recipe": "delayed"}
-    revert()
-    _, stock = run(tc_module.TransformerConfig(**kwargs), tokens)
-    try:
-        apply()
-        layer, ours = run(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True), tokens)
-        reference_layer, reference = run(tc_module.TransformerConfig(**bf16_kwargs, moe_device_tokens_per_expert=True), tokens)
-    finally:
-        revert()
-    assert layer.experts.backend.name == "fp8_grouped_mm"
+    layer = check_fp8_experts_against_stock(kwargs, tokens, [activation, experts, topk, tokens, dispatcher, fp8_format,
+                                                             bias, fp8_wgrad])
     assert layer.experts.backend._recipe.quantize is bq.quantize_weight_tiles
-    vs_stock = max_rel_error(stock, ours)
-    ours_vs_bf16, stock_vs_bf16 = max_rel_error(reference, ours), max_rel_error(reference, stock)
-    print(json.dumps({"case": [activation, experts, topk, tokens, dispatcher, fp8_format, bias, fp8_wgrad],
-                      "max_rel_vs_stock": {k: round(v, 5) for k, v in vs_stock.items()},
-                      "ours_vs_bf16": max(ours_vs_bf16.values()), "stock_vs_bf16": max(stock_vs_bf16.values())}))
-    assert stock["output"].abs().sum() > 0
-    for name, error in vs_stock.items():
-        allowed = U if name == "output" else U + TE_GRAD_ROUNDOFF[fp8_format]
-        assert error <= allowed, (name, error, allowed)
-        assert ours_vs_bf16[name] <= 1.25 * stock_vs_bf16[name] + 2.0**-8, (name, ours_vs_bf16[name], stock_vs_bf16[name])

@@ -18,15 +18,11 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, small_moe_kwargs
+from gpu_checks import check_fp8_experts_against_stock, host_syncs_during, small_moe_kwargs
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
-
-U = 2.0**-4  # E4M3 unit roundoff
-TE_GRAD_ROUNDOFF = {"e4m3": 2.0**-4, "hybrid": 2.0**-3}  # TE's gradient format: E4M3 / E5M2
-
 
 def kwargs_for(experts, topk, activation, dispatcher="alltoall", fp8_format="e4m3"):
     return small_moe_kwargs(experts, topk, activation, "fp8", moe_token_dispatcher_type=dispatcher, fp8=fp8_format)
@@ -48,27 +44,8 @@ def test_fp8_backend_matches_stock_te_fp8(single_gpu, activation, experts, topk,
                                           fp8_wgrad):
     kwargs = {**kwargs_for(experts, topk, activation, dispatcher, fp8_format), "add_bias_linear": bias,
               "fp8_wgrad": fp8_wgrad}
-    bf16_kwargs = {**kwargs, "fp8": None, "fp8_recipe": "delayed"}
-    revert()
-    _, stock = run(tc_module.TransformerConfig(**kwargs), tokens)
-    try:
-        apply()
-        layer, ours = run(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True), tokens)
-        reference_layer, reference = run(tc_module.TransformerConfig(**bf16_kwargs, moe_device_tokens_per_expert=True), tokens)
-    finally:
-        revert()
-    assert layer.experts.backend.name == "fp8_grouped_mm"
-    assert reference_layer.experts.backend.name == "grouped_mm"
-    vs_stock = max_rel_error(stock, ours)
-    ours_vs_bf16, stock_vs_bf16 = max_rel_error(reference, ours), max_rel_error(reference, stock)
-    print(json.dumps({"case": [activation, experts, topk, tokens, dispatcher, fp8_format, bias, fp8_wgrad],
-                      "max_rel_vs_stock": {k: round(v, 5) for k, v in vs_stock.items()},
-                      "ours_vs_bf16": max(ours_vs_bf16.values()), "stock_vs_bf16": max(stock_vs_bf16.values())}))
-    assert stock["output"].abs().sum() > 0
-    for name, error in vs_stock.items():
-        allowed = U if name == "output" else U + TE_GRAD_ROUNDOFF[fp8_format]
-        assert error <= allowed, (name, error, allowed)
-        assert ours_vs_bf16[name] <= 1.25 * stock_vs_bf16[name] + 2.0**-8, (name, ours_vs_bf16[name], stock_vs_bf16[name])
+    check_fp8_experts_against_stock(kwargs, tokens, [activation, experts, topk, tokens, dispatcher, fp8_format, bias,
+                                                     fp8_wgrad])
 
 
 @pytest.mark.parametrize("rows, cols, experts", [(1000, 256, 8), (4097, 1536, 128), (64, 4100, 3)])

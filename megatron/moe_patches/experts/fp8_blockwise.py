@@ -26,7 +26,7 @@ import torch
 
 from megatron.moe_patches.kernels import fp8_grouped_gemm as gemms
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import (
-    WeightTiles, quantize_rows, quantize_rows_and_token_major, quantize_weight_tiles)
+    WeightTiles, quantize_rows, quantize_rows_and_token_major)
 
 
 def _grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b):

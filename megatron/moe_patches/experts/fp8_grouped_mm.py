@@ -42,7 +42,6 @@ line naming why.
 """
 
 import functools
-import math
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -51,6 +50,7 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts import fp8_blockwise
 from megatron.moe_patches.experts.backend import FP8
 from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups, grouped_param, weight_params
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import quantize_weight_tiles
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -236,14 +236,17 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def expert_amax_kernel(x_ptr, expert_ptr, amax_ptr, cols, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        peak = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, cols, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + row.to(tl.int64) * cols + offs, mask=offs < cols, other=0.0)
-            peak = tl.maximum(peak, tl.abs(v.to(tl.float32)))
-        tl.atomic_max(amax_ptr + tl.load(expert_ptr + row), tl.max(peak, axis=0))
+    def expert_amax_kernel(x_ptr, expert_ptr, amax_ptr, rows, cols, BR: tl.constexpr, BC: tl.constexpr):
+        # BR rows per program (one row per program left the H100 at 62 % of its bandwidth)
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        row_in = r < rows
+        peak = tl.zeros([BR], dtype=tl.float32)
+        for start in range(0, cols, BC):
+            c = start + tl.arange(0, BC)
+            v = tl.load(x_ptr + r.to(tl.int64)[:, None] * cols + c[None, :],
+                        mask=row_in[:, None] & (c[None, :] < cols), other=0.0)
+            peak = tl.maximum(peak, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+        tl.atomic_max(amax_ptr + tl.load(expert_ptr + r, mask=row_in, other=0), peak, mask=row_in)
 
     @triton.jit
     def quantize_kernel(x_ptr, expert_ptr, scale_ptr, shift_ptr, q_ptr, qt_ptr, rows, cols, width,
@@ -282,16 +285,14 @@ def _triton_kernels():
     return expert_amax_kernel, quantize_kernel, quantize_both_layouts_kernel
 
 
-def _block(cols: int) -> int:
-    return min(4096, max(128, 1 << math.ceil(math.log2(max(cols, 1)))))
-
-
 def _expert_amax_triton(x_RC, expert_R, num_experts):
     amax_E = torch.zeros(num_experts, dtype=torch.float32, device=x_RC.device)
     rows, cols = x_RC.shape
     if rows and cols:
         expert_amax_kernel, *_ = _triton_kernels()
-        expert_amax_kernel[(rows,)](x_RC, expert_R, amax_E, cols, BLOCK=_block(cols), num_warps=4)
+        amax_rows = 16
+        expert_amax_kernel[(triton_cdiv(rows, amax_rows),)](
+            x_RC, expert_R, amax_E, rows, cols, BR=amax_rows, BC=512, num_warps=4)
     return amax_E
 
 
@@ -301,12 +302,14 @@ def _quantize_triton(x_RC, expert_R, scale_E, columns: Optional[PaddedColumns]):
     qt_CP = None if columns is None else columns.empty(cols, x_RC.device)
     if rows and cols:
         _, quantize_kernel, _ = _triton_kernels()
-        tile = 64
+        # Square tiles where columns are stored too (both stores then use the tile), else wide
+        # rows: 512-byte row segments per load.
+        br, bc = (64, 64) if qt_CP is not None else (16, 256)
         # Without columns the TRANSPOSED branch is compiled out: any tensor stands in for its pointers.
         shift_E, width = (columns.shift_E, columns.width) if columns is not None else (expert_R, 0)
-        quantize_kernel[(triton_cdiv(rows, tile), triton_cdiv(cols, tile))](
+        quantize_kernel[(triton_cdiv(rows, br), triton_cdiv(cols, bc))](
             x_RC, expert_R, scale_E, shift_E, q_RC, q_RC if qt_CP is None else qt_CP, rows, cols, width,
-            FP8_MAX=E4M3_MAX, TRANSPOSED=qt_CP is not None, BR=tile, BC=tile, num_warps=4)
+            FP8_MAX=E4M3_MAX, TRANSPOSED=qt_CP is not None, BR=br, BC=bc, num_warps=4)
     return q_RC, qt_CP
 
 
@@ -385,7 +388,7 @@ class FP8Recipe(NamedTuple):
 
 RECIPES = {
     "tensorwise": FP8Recipe(quantize_weights, tensorwise_linear),
-    "blockwise": FP8Recipe(fp8_blockwise.quantize_weight_tiles, fp8_blockwise.blockwise_linear),
+    "blockwise": FP8Recipe(quantize_weight_tiles, fp8_blockwise.blockwise_linear),
 }
 BLOCKWISE_SIZES = ("hidden_size", "moe_ffn_hidden_size")  # each FC's in and out features
 
