@@ -421,7 +421,7 @@ def _single_grouped_refusal(config, backend, support) -> Optional[str]:
     return (
         f"{'/'.join(asked)}=True needs an expert backend that holds grouped parameters, and none "
         f"can run this config ({reasons}). Use {flags} (the {' or '.join(b.name for b in holders)} backend: "
-        "bf16 or FP8 tensorwise, SwiGLU/quick-GEGLU, ETP 1, Hopper) or drop the flag."
+        "bf16 or FP8 tensorwise or blockwise, SwiGLU/quick-GEGLU, ETP 1, Hopper) or drop the flag."
     )
 
 

@@ -96,7 +96,7 @@ def test_every_decision_with_its_reason(moe_config, hopper_node):
         backend_support=(
             ("op_fuser", "use_transformer_engine_op_fuser is off"),
             ("fp8_grouped_mm", fp8_refusal),
-            ("grouped_mm", "it computes bf16 only (FP8 tensorwise runs the fp8_grouped_mm backend)"),
+            ("grouped_mm", "it computes bf16 only (FP8 tensorwise and blockwise run the fp8_grouped_mm backend)"),
             ("te", None),
         ),
         padding=PaddingPlan(16, EXPERTS, f"it needs {TE_KERNEL_NEEDED}"),

@@ -147,7 +147,7 @@ class GroupedMMBackend(ExpertBackend):
     name = "grouped_mm"
     requested_by = "moe_device_tokens_per_expert"
     precisions = (BF16,)
-    precision_note = "FP8 tensorwise runs the fp8_grouped_mm backend"
+    precision_note = "FP8 tensorwise and blockwise run the fp8_grouped_mm backend"
     fp8_params = False
     params_dtypes = (torch.bfloat16,)
     activations = ("swiglu", "quick_geglu")
