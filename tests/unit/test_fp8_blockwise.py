@@ -116,11 +116,10 @@ def test_blocked_sizes_must_be_multiples_of_128():
         bq.quantize_weight_tiles(torch.zeros(2, 64, 128))
 
 
-def test_weight_cache_requantizes_into_the_same_tensors():
+def test_weight_tiles_requantize_into_the_same_tensors():
     w = torch.randn(2, 128, 256).to(torch.bfloat16)
-    cache = fp8.FP8WeightCache(bq.quantize_weight_tiles)
-    first = cache._quantize(w, None)
-    again = cache._quantize(w * 2, first)
+    first = bq.quantize_weight_tiles(w)
+    again = bq.quantize_weight_tiles(w * 2, first)
     assert all(a is b for a, b in zip(first, again))  # a captured graph keeps reading them
     w8, s = fs.quantize_128x128(w * 2)
     assert torch.equal(again.w8_ENK.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(again.scale_inv_ENtKt, s)

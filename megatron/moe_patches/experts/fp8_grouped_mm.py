@@ -50,7 +50,7 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts import fp8_blockwise
 from megatron.moe_patches.experts.backend import FP8
 from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups, grouped_param, weight_params
-from megatron.moe_patches.kernels.fp8_blockwise_quantize import quantize_weight_tiles
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import quantize_weight_tiles, written_into
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -201,12 +201,7 @@ def quantize_weights(w_EOI: torch.Tensor, into: Optional[TensorwiseWeights] = No
         expert_R = torch.arange(experts, dtype=torch.int32).repeat_interleave(out_features)
         q_R, _, scale_inv_E, _ = quantize_per_expert(rows, expert_R, experts)
         w8_EOI = q_R.view(experts, out_features, in_features)
-        result = TensorwiseWeights(w8_EOI, w8_EOI.transpose(1, 2).contiguous(), scale_inv_E)
-        if into is None:
-            return result
-        for target, value in zip(into, result):
-            target.copy_(value)
-        return into
+        return written_into(into, TensorwiseWeights(w8_EOI, w8_EOI.transpose(1, 2).contiguous(), scale_inv_E))
     # One reduction per expert (exact: the max of |w| needs no rounding), then one tiled pass.
     amax_E = torch.linalg.vector_norm(w_EOI, float("inf"), dim=(1, 2)).float()
     scale_E, scale_inv_E = scales_from_amax(amax_E)

@@ -76,6 +76,16 @@ class WeightTiles(NamedTuple):
     scale_inv_EKtNt: torch.Tensor
 
 
+def written_into(into, result):
+    """``result`` (a tuple of tensors), copied into ``into``'s tensors when given: a weight
+    cache's readers (a captured CUDA graph) keep their pointers across refreshes."""
+    if into is None:
+        return result
+    for target, value in zip(into, result):
+        target.copy_(value)
+    return into
+
+
 def quantize_weight_tiles(w_ENK: torch.Tensor, into: "WeightTiles" = None) -> WeightTiles:
     """Both layouts of ``w_ENK`` with one scale per 128x128 tile; written into ``into``'s
     tensors (an earlier result of the same shapes) when given, so readers keep their pointers."""
@@ -84,12 +94,7 @@ def quantize_weight_tiles(w_ENK: torch.Tensor, into: "WeightTiles" = None) -> We
     _check_blocks(K, "the weight's input features K")
     if not w_ENK.is_cuda:
         w8_ENK, s_ENtKt = fs.quantize_128x128(w_ENK)
-        result = WeightTiles(w8_ENK, s_ENtKt, *fs.transpose_128x128(w8_ENK, s_ENtKt))
-        if into is None:
-            return result
-        for target, value in zip(into, result):
-            target.copy_(value)
-        return into
+        return written_into(into, WeightTiles(w8_ENK, s_ENtKt, *fs.transpose_128x128(w8_ENK, s_ENtKt)))
     w_ENK = w_ENK.contiguous()
     if into is None:
         device = w_ENK.device
