@@ -43,7 +43,7 @@ def special_values(x):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows, cols", [(1000, 256), (4097, 1536), (65, 2048)])
+@pytest.mark.parametrize("rows, cols", [(1000, 256), (4097, 1536), (65, 2048), (300, 1408)])  # 1408: an odd count of blocks
 def test_row_quantizer_equals_the_pytorch_one(rows, cols, dtype):
     x = special_values(torch.randn(rows, cols, dtype=dtype, device="cuda"))
     q, s = bq.quantize_rows(x)

@@ -86,7 +86,7 @@ def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgr
     dy = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
     cache = fp8.FP8WeightCache().get(linear, w)
     columns = fp8.PaddedColumns(offsets_E, rows) if fp8_wgrad else None
-    y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache.weights, columns)
+    y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache.weights, columns, None, None)
     y.backward(dy)
 
     def dequantized(t_RC):
@@ -108,6 +108,49 @@ def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgr
     for e, count in enumerate(counts):
         if count == 0:
             assert not w.grad[e].any(), f"expert {e} has no row but a weight gradient"
+
+
+GLU_AMAX_CASES = [  # activation, experts, topk, tokens, expert biases, FP8 wgrad
+    ("swiglu", 128, 8, 300, False, True),  # idle experts
+    ("quick_geglu", 64, 2, 1000, True, True),
+    ("swiglu", 64, 8, 1000, False, False),
+]
+
+
+@pytest.mark.parametrize("activation, experts, topk, tokens, bias, fp8_wgrad", GLU_AMAX_CASES)
+def test_amaxes_the_glu_gathers_give_the_bits_of_separate_amax_passes(single_gpu, monkeypatch, activation, experts,
+                                                                     topk, tokens, bias, fp8_wgrad):
+    """Tensorwise: FC2's input and FC1's output gradient are scaled by the amaxes the weighted
+    GLU gathers as it writes them. Same layer, same inputs, with the GLU's amaxes and with an
+    amax pass over each tensor: every output and gradient bit equal, and two amax passes
+    fewer per forward+backward."""
+    kwargs = {**kwargs_for(experts, topk, activation), "add_bias_linear": bias, "fp8_wgrad": fp8_wgrad}
+    passes = []
+    amax_pass = fp8._expert_amax_triton
+    monkeypatch.setattr(fp8, "_expert_amax_triton", lambda *args: passes.append(1) or amax_pass(*args))
+    try:
+        apply()
+        torch.manual_seed(tokens)
+        layer = build_moe_layer(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True))
+        assert layer.experts.backend.name == "fp8_grouped_mm"
+        hidden = torch.randn(tokens, 1, 256, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn_like(hidden)
+        results = {}
+        for gathered in (True, False):
+            if not gathered:
+                monkeypatch.setattr(fp8.FP8GroupedMMBackend, "glu_amax", lambda self, groups: None)
+            passes.clear()
+            layer.zero_grad(set_to_none=True)
+            out, dx = forward_backward(layer, hidden, grad)
+            results[gathered] = dict(out=out, dx=dx, passes=len(passes),
+                                     **{n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+    finally:
+        revert()
+    with_glu, separate = results[True], results[False]
+    assert (with_glu.pop("passes"), separate.pop("passes")) == (2, 4)  # FC1's input and FC2's output gradient remain
+    assert with_glu.keys() == separate.keys() and len(with_glu) > 3
+    differ = [name for name in with_glu if not torch.equal(with_glu[name], separate[name])]
+    assert not differ, differ
 
 
 @pytest.mark.parametrize("experts, out_features, in_features", [(8, 384, 256), (3, 100, 70)])

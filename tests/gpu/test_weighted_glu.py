@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from megatron.moe_patches.kernels.weighted_glu import GLUSpec, megatron_weighted_glu, weighted_glu
+from megatron.moe_patches.kernels.expert_amax import expert_amax_reference
+from megatron.moe_patches.kernels.weighted_glu import ExpertAmax, GLUSpec, megatron_weighted_glu, weighted_glu
 
 SWIGLU = GLUSpec("swiglu", 1.0, 0.0, None)
 QUICK_GEGLU = GLUSpec("quick_geglu", 1.702, 1.0, 7.0)  # gpt-oss-like: offset 1, clamp 7
@@ -96,3 +97,31 @@ def test_rows_past_rows_used_come_out_zero(spec):
     # The rows before it are the kernel's usual result.
     want = weighted_glu(h.detach()[:used], probs.detach()[:used], spec)
     assert torch.equal(a[:used], want)
+
+
+@pytest.mark.parametrize("spec", [SWIGLU, QUICK_GEGLU], ids=lambda s: s.name)
+@pytest.mark.parametrize("rows, features, experts", [(3000, 768, 128), (700, 1408, 3), (37, 64, 8)])
+def test_kernels_gather_each_experts_amax_of_what_they_write(spec, rows, features, experts):
+    """With an ExpertAmax: the forward's per-expert amax of its output and the backward's of
+    the input gradient, equal to a separate pass over the written tensors; the values
+    themselves unchanged. Rows past rows_used (zero) and experts without rows included."""
+    torch.manual_seed(rows)
+    h = (torch.randn(rows, 2 * features, device="cuda") * 4).bfloat16()
+    h[: rows // 3] *= 64  # experts of very different ranges
+    probs = torch.rand(rows, device="cuda")
+    expert_T = torch.sort(torch.randint(0, experts, (rows,), device="cuda")).values.to(torch.int32)
+    expert_T[expert_T == 1] = 2  # expert 1 gets no row
+    rows_used = torch.tensor([rows - rows // 10], dtype=torch.int32, device="cuda")
+    da = torch.randn(rows, features, device="cuda").bfloat16()
+
+    results = []
+    for amax in (ExpertAmax.zeros(expert_T, experts), None):
+        h_in, p_in = h.clone().requires_grad_(), probs.clone().requires_grad_()
+        a = weighted_glu(h_in, p_in, spec, rows_used=rows_used, amax=amax)
+        a.backward(da)
+        results.append((a, h_in.grad, p_in.grad, amax))
+    (a, dh, dp, amax), (a_plain, dh_plain, dp_plain, _) = results
+    assert torch.equal(a, a_plain) and torch.equal(dh, dh_plain) and torch.equal(dp, dp_plain)
+    assert torch.equal(amax.output_E, expert_amax_reference(a, expert_T, experts))
+    assert torch.equal(amax.input_grad_E, expert_amax_reference(dh, expert_T, experts))
+    assert amax.output_E[1] == 0 and amax.input_grad_E[1] == 0 and amax.output_E[0] > 0

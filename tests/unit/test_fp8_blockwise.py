@@ -158,3 +158,16 @@ def test_the_backend_refuses_a_recipe_it_does_not_implement():
     config = fp8_config(fp8_recipe="mxfp8")
     with pytest.raises(ValueError, match="implements --fp8-recipe tensorwise or blockwise, not mxfp8"):
         fp8.FP8GroupedMMBackend(experts_shell(fp8.FP8GroupedMMBackend, config, 2, (4, 2), (4, 2)))
+
+
+def test_one_forward_derives_its_row_blocks_once_for_both_fcs():
+    """The 128-row tiles and token-major ends are a dozen device ops: each FC's quantizations
+    and GEMMs of one forward read the same ones."""
+    from megatron.moe_patches.experts import fp8_blockwise
+
+    _, _, _, groups = case()
+    fp8_blockwise.blockwise_linear(groups, True)
+    blocks = groups._derived["blockwise_row_blocks"]
+    fp8_blockwise.blockwise_linear(groups, False)
+    assert groups._derived["blockwise_row_blocks"] is blocks
+    assert blocks.padded_ends_E.tolist() == [256, 256, 512, 640] and blocks.tiles.block_m == 128

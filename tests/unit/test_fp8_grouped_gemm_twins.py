@@ -187,12 +187,22 @@ def test_row_tiles_match_a_python_loop(counts, T, block_m):
     tiles = g.row_tiles(ends_of(counts), T, block_m)
     expected = row_tiles_loop(counts, T, block_m)
     capacity = -(-T // block_m) + len(counts) + 1
-    assert all(t.dtype == torch.int32 for t in tiles) and tiles.expert.shape == (capacity,)
+    assert all(t.dtype == torch.int32 for t in tiles[:4]) and tiles.expert.shape == (capacity,)
+    assert tiles.block_m == block_m
     count = int(tiles.count[0])
     assert count == len(expected)
     got = list(zip(tiles.expert[:count].tolist(), tiles.row_start[:count].tolist(), tiles.row_end[:count].tolist()))
     assert got == expected
     assert (tiles.expert[count:] == -1).all()
+    tiles.check(len(counts), T, block_m)  # the tiles of these rows: accepted
+
+
+def test_a_kernel_refuses_row_tiles_of_other_rows_or_another_tile_height():
+    tiles = g.row_tiles(ends_of([5, 0, 17, 1]), 30, 4)
+    with pytest.raises(ValueError, match="tiles of 8"):
+        tiles.check(4, 30, 8)
+    with pytest.raises(ValueError, match="40 rows"):
+        tiles.check(4, 40, 4)
 
 
 def test_token_major_layout_matches_a_python_loop():

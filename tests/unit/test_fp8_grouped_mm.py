@@ -268,3 +268,83 @@ def test_a_fallback_from_the_asked_backend_is_logged_once_and_only_for_its_preci
         moe_plan.plan_for(fp8_config(fp8=None, expert_tensor_parallel_size=2)).log_choices()
     assert [r.getMessage() for r in caplog.records if "expert backend" in r.getMessage()] == [
         "moe_device_tokens_per_expert: not the grouped_mm expert backend because of expert tensor parallelism > 1"]
+
+
+# --- per-expert amaxes the weighted GLU gathers (tensorwise) ----------------------------------
+
+
+def per_expert_amax_by_loop(x_RC, expert_R, num_experts):
+    """float64 max |x| over each expert's rows, row by row (0 where an expert has none)."""
+    amax = [0.0] * num_experts
+    for row, e in zip(x_RC.double(), expert_R.tolist()):
+        amax[e] = max(amax[e], row.abs().max().item())
+    return torch.tensor(amax, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "quick_geglu"])
+def test_the_glu_gathers_each_experts_amax_of_its_output_and_of_its_input_gradient(activation):
+    from megatron.moe_patches.kernels.weighted_glu import ExpertAmax, GLUSpec, weighted_glu
+
+    spec = GLUSpec("swiglu", 1.0, 0.0, None) if activation == "swiglu" else GLUSpec("quick_geglu", 1.702, 1.0, 7.0)
+    torch.manual_seed(1)
+    expert_T = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3, 3], dtype=torch.int32)  # expert 1: no row
+    h = (torch.randn(9, 16) * torch.tensor([1, 1, 1, 40, 40, 0.01, 0.01, 0.01, 5.0])[:, None]).bfloat16()
+    h.requires_grad_()
+    probs = torch.rand(9)
+    rows_used = torch.tensor([8], dtype=torch.int32)  # the last row is outside every group
+    amax = ExpertAmax.zeros(expert_T, 4)
+    a = weighted_glu(h, probs, spec, rows_used=rows_used, amax=amax)
+    assert not amax.input_grad_E.any()  # the backward has not run
+    da = torch.randn(9, 8).bfloat16() * torch.tensor([1, 1, 1, 1, 1, 100, 100, 100, 1]).bfloat16()[:, None]
+    a.backward(da)
+    assert torch.equal(amax.output_E.double(), per_expert_amax_by_loop(a.detach(), expert_T, 4))
+    assert torch.equal(amax.input_grad_E.double(), per_expert_amax_by_loop(h.grad, expert_T, 4))
+    assert amax.output_E[1] == 0 and amax.input_grad_E[1] == 0 and (amax.output_E[[0, 2, 3]] > 0).all()
+    assert not h.grad[8].any()  # rows past rows_used take no part (their values would be expert 3's largest)
+
+
+def test_a_given_amax_sets_the_scales_instead_of_a_pass_over_the_rows():
+    torch.manual_seed(2)
+    expert_R = torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32)
+    x_RC = torch.randn(5, 32).bfloat16()
+    measured = fp8.quantize_per_expert(x_RC, expert_R, 2)
+    given = fp8.quantize_per_expert(x_RC, expert_R, 2, amax_E=per_expert_amax_by_loop(x_RC, expert_R, 2).float())
+    assert torch.equal(given[0].view(torch.uint8), measured[0].view(torch.uint8))
+    assert torch.equal(given[2], measured[2])
+    # a different amax is taken as given: twice the range halves the scale
+    wider = fp8.quantize_per_expert(x_RC, expert_R, 2, amax_E=2 * per_expert_amax_by_loop(x_RC, expert_R, 2).float())
+    assert torch.equal(wider[2], 2 * measured[2])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fc2_is_scaled_by_the_glu_output_amax_and_fc1_by_its_input_gradient_amax(recipe):
+    """The backend hands FC2 the amax the GLU gathers of its output (FC2's input) and FC1 the
+    one of its input gradient (FC1's output gradient); blockwise scales per 1x128 block and
+    takes none."""
+    from megatron.moe_patches.experts.grouped_mm import RowGroups
+
+    config = fp8_config(fp8_recipe=recipe)
+    fc_shape = (128, 128) if recipe == "blockwise" else (4, 8)  # blockwise: whole 128x128 weight tiles
+    owner = experts_shell(fp8.FP8GroupedMMBackend, config, 2, fc_shape, fc_shape)
+    backend = fp8.FP8GroupedMMBackend(owner)
+    calls = {}
+    backend._recipe = backend._recipe._replace(
+        linear=lambda groups, fp8_wgrad: lambda x, w, weights, **amaxes: calls.setdefault(len(calls), amaxes))
+    groups = RowGroups(torch.tensor([3, 1]), 4, "cpu")
+    gemm = backend.gemm(groups)
+    for linear in (owner.linear_fc1, owner.linear_fc2):
+        gemm(linear, None, grouped_weight(linear))
+    amax = backend.glu_amax(groups)
+    if recipe == "blockwise":
+        assert amax is None and calls == {0: {}, 1: {}}
+    else:
+        assert amax is backend.glu_amax(groups)  # one per forward: the GLU writes what the FCs read
+        assert calls[0].keys() == {"dy_amax_E"} and calls[0]["dy_amax_E"] is amax.input_grad_E
+        assert calls[1].keys() == {"x_amax_E"} and calls[1]["x_amax_E"] is amax.output_E
+        assert torch.equal(amax.expert_T, torch.tensor([0, 0, 0, 1], dtype=torch.int32))
+
+
+def grouped_weight(linear):
+    from megatron.moe_patches.experts.grouped_mm import grouped_param
+
+    return grouped_param(linear)

@@ -26,12 +26,13 @@ import torch
 
 from megatron.moe_patches.kernels import fp8_grouped_gemm as gemms
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import (
-    WeightTiles, quantize_rows, quantize_rows_and_token_major)
+    RowBlocks, WeightTiles, quantize_rows, quantize_rows_and_token_major, row_blocks)
 
 
-def _grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b):
-    gemm = gemms.fp8_grouped_nt if a8_TK.is_cuda else gemms.fp8_grouped_nt_reference
-    return gemm(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, "blockwise")
+def _grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, blocks: RowBlocks):
+    if not a8_TK.is_cuda:
+        return gemms.fp8_grouped_nt_reference(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, "blockwise")
+    return gemms.fp8_grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, "blockwise", tiles=blocks.tiles)
 
 
 def _grouped_wgrad(dy, x, out_dtype):
@@ -46,17 +47,17 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
     unless ``fp8_wgrad`` is off (then bf16)."""
 
     @staticmethod
-    def forward(ctx, x_TI, w_EOI, ends_E, weights: WeightTiles, fp8_wgrad: bool):
+    def forward(ctx, x_TI, w_EOI, ends_E, blocks: RowBlocks, weights: WeightTiles, fp8_wgrad: bool):
         fp8_wgrad = fp8_wgrad and w_EOI.requires_grad
         # wgrad's input: the token-major FP8 copy (only FP8 is kept), or the bf16 rows
         ctx.x_saved = None
         if fp8_wgrad:
-            x8_TI, sx_TIt, ctx.x_saved = quantize_rows_and_token_major(x_TI, ends_E)
+            x8_TI, sx_TIt, ctx.x_saved = quantize_rows_and_token_major(x_TI, ends_E, blocks)
         else:
             x8_TI, sx_TIt = quantize_rows(x_TI)
-        y_TO = _grouped_nt(x8_TI, weights.w8_ENK, ends_E, sx_TIt, weights.scale_inv_ENtKt).to(x_TI.dtype)
+        y_TO = _grouped_nt(x8_TI, weights.w8_ENK, ends_E, sx_TIt, weights.scale_inv_ENtKt, blocks).to(x_TI.dtype)
         ctx.save_for_backward(ends_E, None if fp8_wgrad else x_TI)
-        ctx.weights, ctx.fp8_wgrad, ctx.w_dtype = weights, fp8_wgrad, w_EOI.dtype
+        ctx.blocks, ctx.weights, ctx.fp8_wgrad, ctx.w_dtype = blocks, weights, fp8_wgrad, w_EOI.dtype
         return y_TO
 
     @staticmethod
@@ -66,21 +67,23 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
         dy_TO = dy_TO.contiguous()
         dx_TI = dw_EOI = dy_tokens = None
         if ctx.fp8_wgrad:
-            dy8_TO, sdy_TOt, dy_tokens = quantize_rows_and_token_major(dy_TO, ends_E)
+            dy8_TO, sdy_TOt, dy_tokens = quantize_rows_and_token_major(dy_TO, ends_E, ctx.blocks)
         elif ctx.needs_input_grad[0]:
             dy8_TO, sdy_TOt = quantize_rows(dy_TO)
         if ctx.needs_input_grad[0]:
-            dx_TI = _grouped_nt(dy8_TO, weights.w8_EKN, ends_E, sdy_TOt, weights.scale_inv_EKtNt).to(dy_TO.dtype)
+            dx_TI = _grouped_nt(dy8_TO, weights.w8_EKN, ends_E, sdy_TOt, weights.scale_inv_EKtNt,
+                                ctx.blocks).to(dy_TO.dtype)
         if ctx.fp8_wgrad:
             dw_EOI = _grouped_wgrad(dy_tokens, ctx.x_saved, ctx.w_dtype)
         elif ctx.needs_input_grad[1]:
             dw_EOI = torch._grouped_mm(dy_TO.t(), x_TI, offs=ends_E)
         ctx.x_saved = None
-        return dx_TI, dw_EOI, None, None, None
+        return dx_TI, dw_EOI, None, None, None, None
 
 
 def blockwise_linear(groups, fp8_wgrad: bool):
     """(x_TI, w_EOI, weights) -> y_TO over ``groups``' rows; ``weights`` is the FC's cached
-    ``WeightTiles``."""
+    ``WeightTiles``. The row tiles and token-major ends are derived once per forward."""
+    blocks = groups.derived("blockwise_row_blocks", lambda g: row_blocks(g.offsets_E, g.num_rows))
     return lambda x_TI, w_EOI, weights: _BlockwiseGroupedLinear.apply(
-        x_TI, w_EOI, groups.offsets_E, weights, fp8_wgrad)
+        x_TI, w_EOI, groups.offsets_E, blocks, weights, fp8_wgrad)

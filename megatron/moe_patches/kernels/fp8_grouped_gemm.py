@@ -192,6 +192,15 @@ class RowTiles(NamedTuple):
     row_start: torch.Tensor  # int32 [capacity]
     row_end: torch.Tensor  # int32 [capacity]
     count: torch.Tensor  # int32 [1]
+    block_m: int  # rows per tile
+
+    def check(self, num_experts: int, num_rows: int, block_m: int):
+        """ValueError unless these are the tiles of ``num_rows`` rows of ``num_experts`` experts
+        in ``block_m``-row tiles (what a kernel reading them needs)."""
+        capacity = -(-num_rows // block_m) + num_experts + 1
+        if self.block_m != block_m or self.expert.numel() != capacity:
+            raise ValueError(f"row tiles of {self.block_m} rows and capacity {self.expert.numel()} do not fit "
+                             f"{num_rows} rows of {num_experts} experts in tiles of {block_m} (capacity {capacity})")
 
 
 def row_tiles(ends_E: torch.Tensor, num_rows: int, block_m: int) -> RowTiles:
@@ -217,6 +226,7 @@ def row_tiles(ends_E: torch.Tensor, num_rows: int, block_m: int) -> RowTiles:
         row_start=torch.where(in_use, row_start, zero).to(torch.int32),
         row_end=torch.where(in_use, ends_G[g], zero).to(torch.int32),
         count=tile_ends_G[-1:].to(torch.int32),
+        block_m=block_m,
     )
 
 
@@ -435,7 +445,7 @@ def _check_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, recipe, a_per_row
 def fp8_grouped_nt(a8_TK: torch.Tensor, b8_ENK: torch.Tensor, ends_E: torch.Tensor,
                    scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor, recipe: str = "tensorwise", *,
                    a_per_row: bool = False, fast_accum: bool = True,
-                   config: Union[None, str, GemmConfig] = None) -> torch.Tensor:
+                   config: Union[None, str, GemmConfig] = None, tiles: Optional[RowTiles] = None) -> torch.Tensor:
     """y_TN (bf16) with y[t] = a_TK[t] . b_ENK[e]^T for the expert e owning row t; zero rows
     past ends_E[-1]. Fprop: (x8_TI, w8_EOI); dgrad: (dy8_TO, w8_EIO).
 
@@ -446,7 +456,9 @@ def fp8_grouped_nt(a8_TK: torch.Tensor, b8_ENK: torch.Tensor, ends_E: torch.Tens
     scale_inv_b [E]; blockwise scale_inv_a [T, K/128] (any strides: an MN-major copy, e.g.
     ``s.t().contiguous().t()``, gives coalesced reads), scale_inv_b [E, ceil(N/128), K/128]
     contiguous. ``fast_accum`` matters for tensorwise only (see the module docstring);
-    ``config``: None (``pick_config``), a name from ``CONFIGS``, or a GemmConfig."""
+    ``config``: None (``pick_config``), a name from ``CONFIGS``, or a GemmConfig. ``tiles``:
+    ``row_tiles(ends_E, T, block_m)`` of the configuration's block_m, where the caller
+    derives them once for several GEMMs over the same rows (else built here)."""
     T, K, E, N = _check_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, recipe, a_per_row)
     blockwise = recipe == "blockwise"
     cfg = _resolve_config(config, "nt", recipe, K, N, fast_accum)
@@ -454,7 +466,9 @@ def fp8_grouped_nt(a8_TK: torch.Tensor, b8_ENK: torch.Tensor, ends_E: torch.Tens
     y_TN = torch.empty((T, N), dtype=torch.bfloat16, device=a8_TK.device)
     if T == 0 or N == 0:
         return y_TN
-    tiles = row_tiles(ends_E, T, cfg.block_m)
+    if tiles is None:
+        tiles = row_tiles(ends_E, T, cfg.block_m)
+    tiles.check(E, T, cfg.block_m)
     grouped_nt_kernel, _ = _kernels()
     _set_allocator(a8_TK.device)
     programs = _program_count(a8_TK.device.index or 0)

@@ -13,6 +13,11 @@ gradient and each row's prob gradient), all arithmetic in fp32, each output roun
 Each row's prob gradient is summed inside one program (no atomics): the result does not
 depend on scheduling, so CUDA-graph replay and deterministic mode see the same bits.
 
+With an ``ExpertAmax`` (F10's tensorwise FP8 experts), the forward also takes each expert's
+amax of the activation it writes, and the backward that of the input gradient it writes:
+the FP8 GEMMs that read them next need no amax pass of their own (the max is exact, so the
+scales are bitwise those of a separate pass).
+
 ``rows_used`` (a 1-element device tensor): rows from it on are outside every expert group
 (F12's received tensors have a static bound, the grouped GEMMs leave those rows unwritten);
 both passes treat their inputs as zero there, so they come out zero, gradients included.
@@ -26,6 +31,7 @@ import torch
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import glu_activation
+from megatron.moe_patches.kernels.expert_amax import expert_amax_reference, triton_expert_max
 
 QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(1.702 x), as megatron-core defines it
 
@@ -51,16 +57,52 @@ def glu_spec(config) -> GLUSpec:
     raise ValueError(f"no prob-weighted gated activation for activation_func={config.activation_func}")
 
 
+class ExpertAmax(NamedTuple):
+    """Per-expert amaxes the weighted GLU takes of what it writes (rows grouped by expert)."""
+
+    expert_T: torch.Tensor  # int32 [rows]: each row's expert
+    output_E: torch.Tensor  # float32 [E]: of the activation, written by the forward
+    input_grad_E: torch.Tensor  # float32 [E]: of the input gradient, written by the backward
+
+    @classmethod
+    def zeros(cls, expert_T: torch.Tensor, num_experts: int) -> "ExpertAmax":
+        def zeros_E():
+            return torch.zeros(num_experts, dtype=torch.float32, device=expert_T.device)
+
+        return cls(expert_T.to(torch.int32), zeros_E(), zeros_E())
+
+
 def weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUSpec,
-                 rows_used: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[rows, 2F] FC1 output and [rows] router probs -> [rows, F] weighted activation."""
+                 rows_used: Optional[torch.Tensor] = None, amax: Optional[ExpertAmax] = None) -> torch.Tensor:
+    """[rows, 2F] FC1 output and [rows] router probs -> [rows, F] weighted activation; with
+    ``amax``, its per-expert amaxes are written too (the input gradient's in the backward)."""
     if h_TF2.is_cuda and cap.triton_available():
-        return _WeightedGLU.apply(h_TF2, probs_T, spec, rows_used)
+        return _WeightedGLU.apply(h_TF2, probs_T, spec, rows_used, amax)
     if rows_used is not None:
         inside_T = torch.arange(h_TF2.shape[0], device=h_TF2.device) < rows_used
         h_TF2 = torch.where(inside_T[:, None], h_TF2, 0)
         probs_T = torch.where(inside_T, probs_T, 0)
-    return megatron_weighted_glu(h_TF2, probs_T, spec)
+    if amax is None:
+        return megatron_weighted_glu(h_TF2, probs_T, spec)
+    num_experts = amax.output_E.numel()
+    a_TF = megatron_weighted_glu(_GradAmax.apply(h_TF2, amax), probs_T, spec)
+    amax.output_E.copy_(expert_amax_reference(a_TF.detach(), amax.expert_T, num_experts))
+    return a_TF
+
+
+class _GradAmax(torch.autograd.Function):
+    """Identity whose backward writes the gradient's per-expert amax (the PyTorch path)."""
+
+    @staticmethod
+    def forward(ctx, h_TF2, amax: ExpertAmax):
+        ctx.amax = amax
+        return h_TF2.view_as(h_TF2)
+
+    @staticmethod
+    def backward(ctx, dh_TF2):
+        amax = ctx.amax
+        amax.input_grad_E.copy_(expert_amax_reference(dh_TF2, amax.expert_T, amax.input_grad_E.numel()))
+        return dh_TF2, None
 
 
 def megatron_weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUSpec) -> torch.Tensor:
@@ -75,7 +117,7 @@ def megatron_weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUS
 
 class _WeightedGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TF2, probs_T, spec: GLUSpec, rows_used):
+    def forward(ctx, h_TF2, probs_T, spec: GLUSpec, rows_used, amax: Optional[ExpertAmax]):
         h_TF2 = h_TF2.contiguous()
         probs_T = probs_T.contiguous()
         rows, features = h_TF2.shape[0], h_TF2.shape[1] // 2
@@ -85,9 +127,10 @@ class _WeightedGLU(torch.autograd.Function):
             block_rows, block_features = _blocks(features)
             grid = (-(-rows // block_rows), -(-features // block_features))
             forward_kernel[grid](h_TF2, probs_T, a_TF, *_row_limits(rows, rows_used), features, *_constants(spec),
+                                 *_amax_arguments(amax, "output_E"),
                                  BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
         ctx.save_for_backward(h_TF2, probs_T)
-        ctx.spec, ctx.rows_used = spec, rows_used
+        ctx.spec, ctx.rows_used, ctx.amax = spec, rows_used, amax
         return a_TF
 
     @staticmethod
@@ -102,10 +145,19 @@ class _WeightedGLU(torch.autograd.Function):
             block_rows, block_features = _blocks(features)
             backward_kernel[(-(-rows // block_rows),)](
                 da_TF, h_TF2, probs_T, dh_TF2, dprobs_T, *_row_limits(rows, ctx.rows_used), features,
-                *_constants(ctx.spec), BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
+                *_constants(ctx.spec), *_amax_arguments(ctx.amax, "input_grad_E"),
+                BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
         elif rows:
             dprobs_T.zero_()
-        return dh_TF2, dprobs_T, None, None
+        return dh_TF2, dprobs_T, None, None, None
+
+
+def _amax_arguments(amax: Optional[ExpertAmax], field: str):
+    """The kernels' (expert_ptr, amax_ptr, AMAX) arguments; without ``amax`` the branch is
+    compiled out and any tensor stands in for the pointers."""
+    if amax is None:
+        return None, None, False
+    return amax.expert_T, getattr(amax, field), True
 
 
 def _row_limits(rows: int, rows_used: Optional[torch.Tensor]):
@@ -130,9 +182,12 @@ def _triton_kernels():
     import triton
     import triton.language as tl
 
+    expert_max = triton_expert_max()
+
     @triton.jit
     def forward_kernel(h_ptr, p_ptr, a_ptr, rows, used_ptr, HAS_USED: tl.constexpr, features, alpha, offset,
-                       clamp, HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                       clamp, HAS_CLAMP: tl.constexpr, expert_ptr, amax_ptr, AMAX: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         inside = (r[:, None] < rows) & (f[None, :] < features)
@@ -147,12 +202,17 @@ def _triton_kernels():
             x1 = tl.minimum(x1, clamp)
             x2 = tl.minimum(tl.maximum(x2, -clamp), clamp)
         p = tl.load(p_ptr + r, mask=used, other=0.0).to(tl.float32)
-        a = x1 * tl.sigmoid(alpha * x1) * (x2 + offset) * p[:, None]
-        tl.store(a_ptr + r[:, None].to(tl.int64) * features + f[None, :], a.to(a_ptr.dtype.element_ty), mask=inside)
+        a = (x1 * tl.sigmoid(alpha * x1) * (x2 + offset) * p[:, None]).to(a_ptr.dtype.element_ty)
+        tl.store(a_ptr + r[:, None].to(tl.int64) * features + f[None, :], a, mask=inside)
+        if AMAX:  # of the stored values; masked elements are zero
+            row_in = r < rows
+            expert = tl.load(expert_ptr + r, mask=row_in, other=-1)
+            expert_max(amax_ptr, expert, tl.max(tl.abs(a.to(tl.float32)), axis=1), row_in)
 
     @triton.jit
     def backward_kernel(da_ptr, h_ptr, p_ptr, dh_ptr, dp_ptr, rows, used_ptr, HAS_USED: tl.constexpr, features,
-                        alpha, offset, clamp, HAS_CLAMP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                        alpha, offset, clamp, HAS_CLAMP: tl.constexpr, expert_ptr, amax_ptr, AMAX: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         if HAS_USED:  # rows past it read as zero
             used = r < tl.load(used_ptr)
@@ -160,6 +220,7 @@ def _triton_kernels():
             used = r < rows
         p = tl.load(p_ptr + r, mask=used, other=0.0).to(tl.float32)
         dp = tl.zeros([BLOCK_R], dtype=tl.float32)
+        peak = tl.zeros([BLOCK_R], dtype=tl.float32)  # of the stored input gradient (AMAX)
         for start in range(0, features, BLOCK_F):
             f = start + tl.arange(0, BLOCK_F)
             inside = (r[:, None] < rows) & (f[None, :] < features)
@@ -184,8 +245,16 @@ def _triton_kernels():
             if HAS_CLAMP:
                 d1 = tl.where(pass_1, d1, 0.0)
                 d2 = tl.where(pass_2, d2, 0.0)
-            tl.store(dh_ptr + gate_at, d1.to(dh_ptr.dtype.element_ty), mask=inside)
-            tl.store(dh_ptr + gate_at + features, d2.to(dh_ptr.dtype.element_ty), mask=inside)
+            d1 = d1.to(dh_ptr.dtype.element_ty)
+            d2 = d2.to(dh_ptr.dtype.element_ty)
+            tl.store(dh_ptr + gate_at, d1, mask=inside)
+            tl.store(dh_ptr + gate_at + features, d2, mask=inside)
+            if AMAX:
+                peak = tl.maximum(peak, tl.maximum(tl.max(tl.abs(d1.to(tl.float32)), axis=1),
+                                                   tl.max(tl.abs(d2.to(tl.float32)), axis=1)))
         tl.store(dp_ptr + r, dp.to(dp_ptr.dtype.element_ty), mask=r < rows)
+        if AMAX:
+            row_in = r < rows
+            expert_max(amax_ptr, tl.load(expert_ptr + r, mask=row_in, other=-1), peak, row_in)
 
     return forward_kernel, backward_kernel
