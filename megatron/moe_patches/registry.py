@@ -302,7 +302,8 @@ SERIES: Tuple[Feature, ...] = (
         id="F10",
         title="FP8 grouped-GEMM experts",
         changes="With device splits and FP8 tensorwise, the experts run torch._scaled_grouped_mm over all "
-        "local experts (per-expert E4M3 scales, Triton quantization, weights quantized once per "
+        "local experts (per-expert E4M3 scales, Triton quantization, amaxes of FC2's input and FC1's "
+        "output gradient gathered by the weighted GLU's kernels, weights quantized once per "
         "optimizer step, FP8 wgrad unless --no-fp8-wgrad), sync-free and without padding; with FP8 "
         "blockwise (TE's Float8BlockScaling: 1x128 / 128x128 power-of-two scales) the Triton grouped "
         "GEMMs of kernels/fp8_grouped_gemm.py with single-pass quantizers (experts/fp8_blockwise.py).",
