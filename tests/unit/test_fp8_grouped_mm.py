@@ -27,12 +27,18 @@ def e4m3_round_f64(v: float) -> float:
     return max(-E4M3_MAX, min(E4M3_MAX, round(v / ulp) * ulp))  # round(): half to even
 
 
+def per_expert_amax_by_loop(x_RC, expert_R, num_experts):
+    """float64 max |x| over each expert's rows, row by row (0 where an expert has none)."""
+    amax = [0.0] * num_experts
+    for row, e in zip(x_RC.double(), expert_R.tolist()):
+        amax[e] = max(amax[e], row.abs().max().item())
+    return torch.tensor(amax, dtype=torch.float64)
+
+
 def reference_quantize(x_RC, expert_R, num_experts):
     """(dequantized rows, scale_inv per expert) in float64, one scale per expert."""
     x = x_RC.double()
-    amax = [0.0] * num_experts
-    for row, e in zip(x, expert_R.tolist()):
-        amax[e] = max(amax[e], row.abs().max().item())
+    amax = per_expert_amax_by_loop(x_RC, expert_R, num_experts).tolist()
     scale = [E4M3_MAX / a if a > 0 else 1.0 for a in amax]
     deq = torch.tensor([[e4m3_round_f64(v * scale[e]) / scale[e] for v in row.tolist()]
                         for row, e in zip(x, expert_R.tolist())], dtype=torch.float64)
@@ -273,14 +279,6 @@ def test_a_fallback_from_the_asked_backend_is_logged_once_and_only_for_its_preci
 # --- per-expert amaxes the weighted GLU gathers (tensorwise) ----------------------------------
 
 
-def per_expert_amax_by_loop(x_RC, expert_R, num_experts):
-    """float64 max |x| over each expert's rows, row by row (0 where an expert has none)."""
-    amax = [0.0] * num_experts
-    for row, e in zip(x_RC.double(), expert_R.tolist()):
-        amax[e] = max(amax[e], row.abs().max().item())
-    return torch.tensor(amax, dtype=torch.float64)
-
-
 @pytest.mark.parametrize("activation", ["swiglu", "quick_geglu"])
 def test_the_glu_gathers_each_experts_amax_of_its_output_and_of_its_input_gradient(activation):
     from megatron.moe_patches.kernels.weighted_glu import ExpertAmax, GLUSpec, weighted_glu
@@ -321,7 +319,7 @@ def test_fc2_is_scaled_by_the_glu_output_amax_and_fc1_by_its_input_gradient_amax
     """The backend hands FC2 the amax the GLU gathers of its output (FC2's input) and FC1 the
     one of its input gradient (FC1's output gradient); blockwise scales per 1x128 block and
     takes none."""
-    from megatron.moe_patches.experts.grouped_mm import RowGroups
+    from megatron.moe_patches.experts.grouped_mm import RowGroups, grouped_param
 
     config = fp8_config(fp8_recipe=recipe)
     fc_shape = (128, 128) if recipe == "blockwise" else (4, 8)  # blockwise: whole 128x128 weight tiles
@@ -333,7 +331,7 @@ def test_fc2_is_scaled_by_the_glu_output_amax_and_fc1_by_its_input_gradient_amax
     groups = RowGroups(torch.tensor([3, 1]), 4, "cpu")
     gemm = backend.gemm(groups)
     for linear in (owner.linear_fc1, owner.linear_fc2):
-        gemm(linear, None, grouped_weight(linear))
+        gemm(linear, None, grouped_param(linear))
     amax = backend.glu_amax(groups)
     if recipe == "blockwise":
         assert amax is None and calls == {0: {}, 1: {}}
@@ -342,9 +340,3 @@ def test_fc2_is_scaled_by_the_glu_output_amax_and_fc1_by_its_input_gradient_amax
         assert calls[0].keys() == {"dy_amax_E"} and calls[0]["dy_amax_E"] is amax.input_grad_E
         assert calls[1].keys() == {"x_amax_E"} and calls[1]["x_amax_E"] is amax.output_E
         assert torch.equal(amax.expert_T, torch.tensor([0, 0, 0, 1], dtype=torch.int32))
-
-
-def grouped_weight(linear):
-    from megatron.moe_patches.experts.grouped_mm import grouped_param
-
-    return grouped_param(linear)
