@@ -2,17 +2,22 @@
 Qwen3-30B-A3B-, DeepSeek-V2-Lite- and Mixtral-like shapes, timed for bf16
 ``torch._grouped_mm``, ``torch._scaled_grouped_mm`` (rowwise scales; wgrad in its 2d-2d form
 as F10 calls it) and the Triton kernels of ``megatron/moe_patches/kernels/fp8_grouped_gemm.py``
-(tensorwise and blockwise recipes, a few fixed configurations each).
+(tensorwise and blockwise recipes, a few fixed configurations each), and with --deepgemm
+DeepGEMM's SM90 blockwise grouped GEMM (``m_grouped_fp8_gemm_nt_contiguous``, groups read from
+device-side ends, "psum" layout) for fprop and dgrad. DeepGEMM needs every expert's rows to
+start on a 128-row boundary, so --deepgemm needs --group-align 128 (every peer sees those rows).
 
 Per line: the shape, CUDA-event ms (median of --iters after 3 warm-up calls), TFLOP/s
 (2 * rows * K * N per GEMM), and for every FP8 path the max abs and max relative (to the
 largest reference magnitude) error against the PyTorch twin of its recipe on the same FP8
 inputs. Routing: ``--tokens`` tokens x top-k routed rows, a seeded uneven split over the
-experts, each expert's rows a multiple of 16 (what torch's 2d-2d FP8 wgrad needs); the
-Triton wgrad reads token-major copies whose expert segments are padded to 128 columns.
+experts, each expert's rows a multiple of --group-align (default 16, what torch's 2d-2d FP8
+wgrad needs); the Triton wgrad reads token-major copies whose expert segments are padded to
+128 columns.
 
     python3 benchmarks/fp8_grouped_gemm.py --out results.jsonl
     python3 benchmarks/fp8_grouped_gemm.py --shapes qwen3 --configs picked   # the rule's pick only
+    python3 benchmarks/fp8_grouped_gemm.py --deepgemm --group-align 128 --configs picked   # DeepGEMM installed
 
 Nothing here is a test: no timing decides an outcome.
 """
@@ -105,9 +110,24 @@ def best(runs):
     return min(timed, key=lambda r: r["ms"]) if timed else None
 
 
+def deepgemm_nt(deep_gemm, a8, sa, b8, sb, ends, N):
+    """DeepGEMM's blockwise grouped fprop/dgrad on 128-aligned groups (device-side ends). Its
+    SM90 kernel reads the 1x128 scales MN-major and TMA-aligned: converted once here, outside
+    the timing, as a quantizer would write them."""
+    sa_mn = deep_gemm.get_mn_major_tma_aligned_tensor(sa)
+    y = torch.empty(a8.shape[0], N, device=a8.device, dtype=torch.bfloat16)
+
+    def run():
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8, sa_mn), (b8, sb), y, ends, use_psum_layout=True)
+        return y
+
+    return run
+
+
 def bench_fc(model, fc, rows, experts, I, O, args):
     """One FC y_TO = x_TI . w_EOI^T: three GEMMs, each a JSON line."""
-    ends, T, max_rows = routed_ends(rows, experts, seed=2 * list(MODELS).index(model) + (fc == "fc2"))
+    ends, T, max_rows = routed_ends(rows, experts, seed=2 * list(MODELS).index(model) + (fc == "fc2"),
+                                    align=args.group_align)
     torch.manual_seed(0)
     x = torch.randn(T, I, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, O, device="cuda", dtype=torch.bfloat16)
@@ -128,6 +148,7 @@ def bench_fc(model, fc, rows, experts, I, O, args):
     bw8_EIO, bsw_EIO = fs.transpose_128x128(bw8_EOI, bsw_EOI)
 
     base = {"model": model, "fc": fc, "tokens": args.tokens, "rows": T, "E": E, "max_rows_per_expert": max_rows,
+            "group_align": args.group_align,
             "device": torch.cuda.get_device_name()}
 
     for gemm, a8, sa, b8, sb, a_b, b_b, sa_b, sb_b, K, N, bf16_fn in (
@@ -153,6 +174,9 @@ def bench_fc(model, fc, rows, experts, I, O, args):
         line["triton_blockwise"] = triton_runs(
             lambda c: g.fp8_grouped_nt(a_b, b_b, ends, sa_b, sb_b, "blockwise", config=c),
             "nt", "blockwise", K, N, False, flops, args.iters, want, args.configs)
+        if args.deepgemm:
+            line["deepgemm_blockwise"] = entry(deepgemm_nt(args.deepgemm, a_b, sa_b, b_b, sb_b, ends, N),
+                                               flops, args.iters, want)
         del want
         summarize(line)
         emit(line, args)
@@ -185,6 +209,9 @@ def bench_fc(model, fc, rows, experts, I, O, args):
     line["triton_blockwise"] = triton_runs(
         lambda c: g.fp8_grouped_wgrad(bdy8_OP, bx8_IP, layout.padded_ends_E, bsdy_OP, bsx_IP, "blockwise", config=c),
         "wgrad", "blockwise", I, O, False, flops, args.iters, want, args.configs)
+    if args.deepgemm:
+        line["deepgemm_blockwise"] = {"skipped": "DeepGEMM's SM90 K-grouped FP8 GEMM takes the experts' row "
+                                                 "counts as a host list (a sync each call, no CUDA graph)"}
     line["triton_blockwise_accumulate"] = entry(
         lambda: g.fp8_grouped_wgrad(bdy8_OP, bx8_IP, layout.padded_ends_E, bsdy_OP, bsx_IP, "blockwise",
                                     accumulate_into=main_grad), flops, args.iters)
@@ -194,7 +221,7 @@ def bench_fc(model, fc, rows, experts, I, O, args):
 
 def summarize(line):
     bf16 = line["bf16_grouped_mm"].get("ms")
-    for key in ("scaled_grouped_mm_rowwise", "triton_tensorwise", "triton_blockwise"):
+    for key in ("scaled_grouped_mm_rowwise", "triton_tensorwise", "triton_blockwise", "deepgemm_blockwise"):
         value = line.get(key)
         top = best(value) if isinstance(value, list) else (value if value and "ms" in value else None)
         if top and bf16:
@@ -216,8 +243,20 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--configs", default="auto",
                         help="auto (the rule's pick and ALTERNATIVES), picked, or comma-separated CONFIGS names")
+    parser.add_argument("--group-align", type=int, default=16,
+                        help="round every expert's row count up to a multiple of this (16 or more)")
+    parser.add_argument("--deepgemm", action="store_true",
+                        help="also time DeepGEMM's blockwise fprop/dgrad (needs deep_gemm installed)")
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args(argv)
+    if args.group_align < 16 or args.group_align % 16:
+        parser.error(f"--group-align must be a multiple of 16, not {args.group_align}")
+    if args.deepgemm:
+        if args.group_align % 128:
+            parser.error("--deepgemm needs --group-align 128 (DeepGEMM's groups start on 128-row boundaries)")
+        import deep_gemm  # the error names the missing package
+
+        args.deepgemm = deep_gemm
     started = time.time()
     for model in args.shapes.split(","):
         hidden, ffn, experts, topk = MODELS[model]
