@@ -51,12 +51,19 @@ def routing(T, E, k, seed):
     return map_TE, probs_TE
 
 
-def padded_layout(map_TE, rows):
-    """Each expert's rows rounded up to ALIGN, the last expert taking the slack up to ``rows``;
-    the rows each expert's group is shifted by (the permute's pad offsets)."""
-    counts_E = map_TE.sum(0)
+def padded_counts(counts_E, rows):
+    """Each expert's rows rounded up to ALIGN, the last expert taking the slack up to ``rows``
+    (a static row count whatever the routing)."""
     padded_E = (counts_E + ALIGN - 1) // ALIGN * ALIGN
     padded_E[-1] += rows - padded_E.sum()
+    return padded_E
+
+
+def padded_layout(map_TE, rows):
+    """``padded_counts`` of the routing map, and the rows each expert's group is shifted by
+    (the permute's pad offsets)."""
+    counts_E = map_TE.sum(0)
+    padded_E = padded_counts(counts_E, rows)
     pads_E = padded_E - counts_E
     return padded_E, torch.cumsum(pads_E, 0) - pads_E
 
@@ -123,9 +130,7 @@ def probe_deepgemm():
         gen = torch.Generator().manual_seed(seed)
         counts_E = torch.multinomial(torch.rand(E, generator=gen) + 0.5, R, replacement=True,
                                      generator=gen).bincount(minlength=E)
-        padded_E = (counts_E + ALIGN - 1) // ALIGN * ALIGN
-        padded_E[-1] += P - padded_E.sum()
-        return torch.cumsum(padded_E, 0).to(torch.int32).cuda()
+        return torch.cumsum(padded_counts(counts_E, P), 0).to(torch.int32).cuda()
 
     x_PK = torch.randn(P, K, device="cuda", dtype=torch.bfloat16)
     w_ENK = (torch.randn(E, N, K, device="cuda") / K**0.5).to(torch.bfloat16)

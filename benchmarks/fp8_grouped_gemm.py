@@ -174,8 +174,8 @@ def bench_fc(model, fc, rows, experts, I, O, args):
         line["triton_blockwise"] = triton_runs(
             lambda c: g.fp8_grouped_nt(a_b, b_b, ends, sa_b, sb_b, "blockwise", config=c),
             "nt", "blockwise", K, N, False, flops, args.iters, want, args.configs)
-        if args.deepgemm:
-            line["deepgemm_blockwise"] = entry(deepgemm_nt(args.deepgemm, a_b, sa_b, b_b, sb_b, ends, N),
+        if args.deep_gemm:
+            line["deepgemm_blockwise"] = entry(deepgemm_nt(args.deep_gemm, a_b, sa_b, b_b, sb_b, ends, N),
                                                flops, args.iters, want)
         del want
         summarize(line)
@@ -209,7 +209,7 @@ def bench_fc(model, fc, rows, experts, I, O, args):
     line["triton_blockwise"] = triton_runs(
         lambda c: g.fp8_grouped_wgrad(bdy8_OP, bx8_IP, layout.padded_ends_E, bsdy_OP, bsx_IP, "blockwise", config=c),
         "wgrad", "blockwise", I, O, False, flops, args.iters, want, args.configs)
-    if args.deepgemm:
+    if args.deep_gemm:
         line["deepgemm_blockwise"] = {"skipped": "DeepGEMM's SM90 K-grouped FP8 GEMM takes the experts' row "
                                                  "counts as a host list (a sync each call, no CUDA graph)"}
     line["triton_blockwise_accumulate"] = entry(
@@ -255,8 +255,7 @@ def main(argv=None):
         if args.group_align % 128:
             parser.error("--deepgemm needs --group-align 128 (DeepGEMM's groups start on 128-row boundaries)")
         import deep_gemm  # the error names the missing package
-
-        args.deepgemm = deep_gemm
+    args.deep_gemm = deep_gemm if args.deepgemm else None  # the module the peer calls
     started = time.time()
     for model in args.shapes.split(","):
         hidden, ffn, experts, topk = MODELS[model]
