@@ -1,4 +1,4 @@
-"""Capability probes for the installed megatron-core, Transformer Engine and deep_ep.
+"""Capability probes for the installed megatron-core, Transformer Engine, deep_ep and DeepGEMM.
 
 Everything here imports lazily and never raises on a missing library: a probe
 answers False (or None for a version) instead. Probes look at what the code
@@ -121,6 +121,18 @@ def triton_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def deep_gemm_grouped_fp8() -> bool:
+    """Whether DeepGEMM's FP8 grouped GEMM over device-side expert ends
+    (``m_grouped_fp8_gemm_nt_contiguous`` with ``use_psum_layout``) is importable."""
+    try:
+        deep_gemm = importlib.import_module("deep_gemm")
+    except Exception:  # noqa: BLE001 - a broken install counts as none
+        return False
+    gemm = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None)
+    return gemm is not None and "use_psum_layout" in (getattr(gemm, "__doc__", None) or "")
 
 
 def deep_ep_hybridep_blocks() -> bool:

@@ -191,7 +191,7 @@ def _padding(config, backend, notes) -> PaddingPlan:
         return PaddingPlan(None, NOBODY)
     align = backend.required_alignment(config) or get_align_size_for_quantization(config)
     if align == 1:
-        return PaddingPlan(None, NOBODY)
+        return _aligned_groups(config, backend, notes)
     if config.moe_router_padding_for_quantization:
         return PaddingPlan(align, ROUTER)
     if config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "hybridep":
@@ -205,6 +205,41 @@ def _padding(config, backend, notes) -> PaddingPlan:
                                        f"{cap.te_version()}. Falling back to permute + explicit padding."))
         return PaddingPlan(align, EXPERTS, f"it needs {TE_KERNEL_NEEDED}")
     return PaddingPlan(align, PERMUTE)
+
+
+def static_padding_blocker(config) -> Optional[str]:
+    """Why our dispatchers cannot pad each expert's rows into a static row count with the
+    counts on the device (graph-safe: ``StaticPaddedPermute``) for ``config``, or None."""
+    if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+        return f"the {config.moe_token_dispatcher_type} dispatcher"
+    if ep_size(config) > 1 or expert_tp_size(config) > 1:
+        return "expert parallelism > 1 (the padded row count is static at one rank only)"
+    if not patch_option(config, "moe_device_tokens_per_expert"):
+        return "it needs --moe-device-tokens-per-expert"
+    if not config.moe_permute_fusion:
+        return "it needs --moe-permute-fusion"
+    if config.moe_expert_capacity_factor is not None or config.moe_router_padding_for_quantization:
+        return "it needs dropless routing without router padding"
+    if not cap.te_fused_permute_pad():
+        return f"it needs {TE_KERNEL_NEEDED}"
+    return None
+
+
+def _aligned_groups(config, backend, notes) -> PaddingPlan:
+    """A backend that takes any rows may run faster kernels on groups aligned by the
+    dispatcher (``aligned_groups``): they are padded where that stays graph-safe."""
+    align, kernels = backend.aligned_groups(config)
+    if align is None:
+        return PaddingPlan(None, NOBODY)
+    reason = static_padding_blocker(config)
+    if reason is not None:
+        notes.append((logging.INFO, f"the {backend.name} experts keep their other kernels, not {kernels}: "
+                                    f"those need each expert's rows padded to {align} by the dispatcher, and "
+                                    f"{reason}."))
+        return PaddingPlan(None, NOBODY)
+    notes.append((logging.INFO, f"the {backend.name} experts run {kernels}; the dispatcher pads each expert's "
+                                f"rows to {align}."))
+    return PaddingPlan(align, PERMUTE, static_rows=True)
 
 
 # --- the exchange and the dispatcher's options (F8, F12) -------------------------------------
@@ -225,6 +260,7 @@ class ExchangeChoice:
     device_counts: bool  # the dispatcher hands the experts device-resident token counts (F8)
     skips_chunk_sort: bool  # alltoall: received rows are already grouped by local expert
     pad_align: Optional[int]  # the dispatcher permutes into this alignment (F1), else None
+    static_pad_rows: bool  # and into a static row count, counts on the device (one rank)
     contradictions: Tuple[str, ...]  # what in the config contradicts moe_symmetric_exchange
 
 
@@ -296,15 +332,15 @@ def _exchange(config, backend, padding: PaddingPlan, notes) -> ExchangeChoice:
                                         "symmetric memory"))
     if dispatcher == ALLGATHER:
         # Counts stay on the device only where the permuted row count is tokens x top-k.
-        device_counts = (device_tokens and pad_align is None and one_rank and config.moe_permute_fusion
-                         and config.moe_expert_capacity_factor is None
+        device_counts = (device_tokens and (pad_align is None or padding.static_rows) and one_rank
+                         and config.moe_permute_fusion and config.moe_expert_capacity_factor is None
                          and not config.moe_router_padding_for_quantization)
     else:
         device_counts = device_tokens and dispatcher == ALLTOALL
     # One source rank, no TP: sorting chunks by local expert keeps them in place; the
     # symmetric exchange lands rows sorted by local expert already.
     skips_chunk_sort = dispatcher == ALLTOALL and ((device_tokens and one_rank) or name == SYMMETRIC_MEMORY)
-    return ExchangeChoice(name, reason, bool(device_counts), skips_chunk_sort, pad_align,
+    return ExchangeChoice(name, reason, bool(device_counts), skips_chunk_sort, pad_align, padding.static_rows,
                           tuple(exchange_config_errors(config)))
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gpu_checks import check_fp8_experts_against_stock, small_moe_kwargs
+from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.kernels import fp8_scaling as fs
 
 pytest.importorskip("triton")
@@ -25,6 +26,8 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
 from megatron.moe_patches.experts import fp8_blockwise  # noqa: E402
 from megatron.moe_patches.experts.grouped_mm import RowGroups  # noqa: E402
 from megatron.moe_patches.kernels import fp8_blockwise_quantize as bq  # noqa: E402
+from megatron.moe_patches.kernels import fp8_grouped_gemm as gemms  # noqa: E402
+
 
 def bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -128,12 +131,56 @@ CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format, expert b
 ]
 
 
+def kernels_in_use(kernels, monkeypatch):
+    """``triton``: DeepGEMM counts as absent; ``deepgemm``: the test needs it installed."""
+    if kernels == "deepgemm" and not cap.deep_gemm_grouped_fp8():
+        pytest.skip("DeepGEMM is not installed")
+    if kernels == "triton":
+        monkeypatch.setattr(cap, "deep_gemm_grouped_fp8", lambda: False)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "deepgemm"])
 @pytest.mark.parametrize("activation, experts, topk, tokens, dispatcher, fp8_format, bias, fp8_wgrad", CASES)
-def test_blockwise_backend_matches_stock_te_blockwise(single_gpu, activation, experts, topk, tokens, dispatcher,
-                                                      fp8_format, bias, fp8_wgrad):
+def test_blockwise_backend_matches_stock_te_blockwise(single_gpu, monkeypatch, activation, experts, topk, tokens,
+                                                      dispatcher, fp8_format, bias, fp8_wgrad, kernels):
+    kernels_in_use(kernels, monkeypatch)
     kwargs = {**small_moe_kwargs(experts, topk, activation, "fp8-blockwise", moe_token_dispatcher_type=dispatcher,
                                  fp8=fp8_format, moe_ffn_hidden_size=256, ffn_hidden_size=256),
               "add_bias_linear": bias, "fp8_wgrad": fp8_wgrad}
     layer = check_fp8_experts_against_stock(kwargs, tokens, [activation, experts, topk, tokens, dispatcher, fp8_format,
-                                                             bias, fp8_wgrad])
+                                                             bias, fp8_wgrad, kernels])
     assert layer.experts.backend._recipe.quantize is bq.quantize_weight_tiles
+    # DeepGEMM: the dispatcher pads each expert's rows to 128 into a static row count
+    aligned = kernels == "deepgemm"
+    assert layer.experts.padding_plan.static_rows == aligned
+    assert layer.experts.backend._kernels == (fp8_blockwise.grouped_nt_kernel(aligned),)
+
+
+@pytest.mark.parametrize("counts", [[0, 300, 1, 0, 83, 128], [1024] * 4])
+def test_deep_gemm_grouped_nt_equals_the_float64_reference_on_128_row_groups(counts):
+    """DeepGEMM's fprop on groups padded to 128 rows (zero padding rows) against the
+    PyTorch twin of the recipe: one fp32 accumulation per 128-K block rounded to bf16 once
+    (2**-8 relative, 2**-11 of the largest magnitude for the 14-bit products)."""
+    if not cap.deep_gemm_grouped_fp8():
+        pytest.skip("DeepGEMM is not installed")
+    from megatron.moe_patches.kernels import deep_gemm_grouped
+
+    E, K, N = len(counts), 512, 384
+    padded = [-(-c // 128) * 128 for c in counts]
+    ends_E = torch.tensor(padded, device="cuda").cumsum(0).to(torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(sum(padded), K, device="cuda", generator=gen).to(torch.bfloat16)
+    start = 0
+    for c, p in zip(counts, padded):
+        x[start + c:start + p] = 0
+        start += p
+    w = (torch.randn(E, N, K, device="cuda", generator=gen) / K**0.5).to(torch.bfloat16)
+    a8, sa = bq.quantize_rows(x)
+    wt = bq.quantize_weight_tiles(w)
+    got = deep_gemm_grouped.grouped_nt(a8, wt.w8_ENK, ends_E, sa, wt.scale_inv_ENtKt).double()
+    want = gemms.fp8_grouped_nt_reference(a8, wt.w8_ENK, ends_E, sa, wt.scale_inv_ENtKt, "blockwise",
+                                          out_dtype=torch.float64)
+    m = want.abs().max().item()
+    err = (got - want).abs()
+    assert (err <= 2.0**-8 * want.abs() + 2.0**-11 * m).all(), err.max().item()
+    assert not got[x.abs().sum(1) == 0].any()  # padding rows stay zero

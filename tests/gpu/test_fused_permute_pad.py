@@ -9,7 +9,8 @@ import torch
 import megatron.core.transformer.transformer_config as tc_module
 from gpu_checks import compare, run_layer, run_two_gpu_worker
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches.dispatch.permute_pad import permute_and_pad, unpermute_and_unpad
+from megatron.moe_patches.dispatch.permute_pad import (
+    StaticPaddedPermute, permute_and_pad, static_padded_rows, unpermute_and_unpad)
 from megatron.moe_patches.testing.reference import reference_permute_and_pad, reference_unpermute_and_unpad
 from megatron.moe_patches.testing.layer_harness import MoEShape, moe_config_kwargs
 
@@ -55,6 +56,56 @@ def test_te_permute_pad_matches_reference(tokens, experts, topk, empty, align):
     restored = unpermute_and_unpad(expert_out, row_id_map, pad_offsets, hidden.shape)
     expected = reference_unpermute_and_unpad(expert_out.float(), dest).to(restored.dtype)
     torch.testing.assert_close(restored, expected, rtol=1.6e-2, atol=1e-2)  # bf16 sum order
+
+
+@pytest.mark.parametrize("tokens, experts, topk, empty", [(1000, 64, 8, 5), (300, 8, 2, 2), (512, 4, 1, 0)])
+def test_static_padded_permute_matches_reference_and_replays_in_a_graph(tokens, experts, topk, empty):
+    """128-row groups in a static row count (the last group takes the slack): the reference's
+    rows, probs and pad offsets, zero rows after them, the experts' counts summing to the
+    static count; the unpermute and both gradients as the reference's; and a CUDA graph of
+    it, captured on one routing and replayed on another, gives the eager results."""
+    align = 128
+    step = StaticPaddedPermute(align, topk)
+    rows = static_padded_rows(tokens, topk, experts, align)
+    routing, probs = random_routing(tokens, experts, topk, seed=tokens, empty_experts=empty)
+    hidden = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+    x = hidden.clone().requires_grad_()
+    p = probs.clone().requires_grad_()
+    permuted = step.permute(x, p, routing)
+    ref, ref_probs, dest, ref_offsets, ref_padded = reference_permute_and_pad(hidden, probs, routing, align)
+    n = ref.shape[0]
+    assert permuted.x_RH.shape[0] == rows and int(permuted.tokens_per_expert.sum()) == rows
+    assert torch.equal(permuted.tokens_per_expert[:-1], ref_padded[:-1].to(permuted.tokens_per_expert.dtype))
+    assert torch.equal(permuted.pad_offsets.cpu(), ref_offsets.cpu())
+    assert torch.equal(permuted.x_RH[:n], ref) and not permuted.x_RH[n:].any()
+    assert torch.equal(permuted.probs_R[:n], ref_probs) and not permuted.probs_R[n:].any()
+    expert_out = torch.randn_like(permuted.x_RH)
+    restored = step.unpermute(expert_out, permuted.row_id_map, permuted.pad_offsets, hidden.shape, routing)
+    expected = reference_unpermute_and_unpad(expert_out[:n].float(), dest).to(restored.dtype)
+    torch.testing.assert_close(restored, expected, rtol=1.6e-2, atol=1e-2)  # bf16 sum order
+    (permuted.x_RH.float() * expert_out.float()).sum().add((permuted.probs_R * 3).sum()).backward()
+    want_dx = reference_unpermute_and_unpad(expert_out[:n].float(), dest)
+    torch.testing.assert_close(x.grad.float(), want_dx, rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(p.grad, torch.where(routing, 3.0, 0.0).to(p.grad.dtype))
+    assert torch.equal(step.align_splits(None, routing, routing.sum(0)), permuted.tokens_per_expert)
+
+    # graph: captured on this routing, replayed on another
+    s_x, s_map, s_probs = hidden.clone(), routing.clone(), probs.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step.permute(s_x, s_probs, s_map)  # Triton compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step.permute(s_x, s_probs, s_map)
+    routing2, probs2 = random_routing(tokens, experts, topk, seed=tokens + 1, empty_experts=empty)
+    hidden2 = torch.randn_like(hidden)
+    s_x.copy_(hidden2), s_map.copy_(routing2), s_probs.copy_(probs2)
+    graph.replay()
+    eager = step.permute(hidden2, probs2, routing2)
+    for name in ("x_RH", "probs_R", "pad_offsets", "tokens_per_expert"):
+        assert torch.equal(getattr(captured, name), getattr(eager, name)), name
 
 
 # With EP > 1 the zero rows sit between source-rank chunks inside an expert's group

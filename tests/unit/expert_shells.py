@@ -7,6 +7,8 @@ import torch
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
+from megatron.moe_patches.experts.padding import NOBODY, PaddingPlan
+
 
 class ShellGroupedLinear(torch.nn.Module):
     def __init__(self, num_gemms, out_features, in_features, bias=False, generator=None, dtype=torch.bfloat16):
@@ -20,14 +22,17 @@ class ShellGroupedLinear(torch.nn.Module):
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.randn(out_features, generator=generator).to(dtype)))
 
 
-def experts_shell(backend_class, config, experts, fc1_shape, fc2_shape, bias=False, seed=0, dtype=torch.bfloat16):
+def experts_shell(backend_class, config, experts, fc1_shape, fc2_shape, bias=False, seed=0, dtype=torch.bfloat16,
+                  padding_plan=PaddingPlan(None, NOBODY)):
     """The experts module a backend is built for: a MegatronModule (its ``set_is_first_microbatch``
-    is megatron-core's) holding FC1 [out, in] and FC2 [out, in] per expert."""
+    is megatron-core's) holding FC1 [out, in] and FC2 [out, in] per expert, and the plan's
+    padding (``padding_plan``: nobody pads unless given)."""
     submodules = backend_class.expert_submodules(
         config, MLPSubmodules(linear_fc1=ShellGroupedLinear, linear_fc2=ShellGroupedLinear))
     generator = torch.Generator().manual_seed(seed)
     owner = MegatronModule(config)
     owner.num_local_experts = experts
+    owner.padding_plan = padding_plan
     owner.linear_fc1 = submodules.linear_fc1(experts, *fc1_shape, bias=bias, generator=generator, dtype=dtype)
     owner.linear_fc2 = submodules.linear_fc2(experts, *fc2_shape, bias=bias, generator=generator, dtype=dtype)
     return owner

@@ -20,13 +20,18 @@ from megatron.moe_patches.dispatch.exchanges import (
     NcclAllToAllOneSource,
     SymmetricMemoryAllToAll,
 )
-from megatron.moe_patches.dispatch.permute_pad import DeviceCountPermute, PaddedPermute, PlainPermute
+from megatron.moe_patches.dispatch.permute_pad import (
+    DeviceCountPermute, PaddedPermute, PlainPermute, StaticPaddedPermute)
 from megatron.moe_patches.plan import ALLGATHER, ALLTOALL, SYMMETRIC_MEMORY, ExchangeChoice
 
 
-def given_choice(monkeypatch, name=ALLTOALL, device_counts=False, skips_chunk_sort=False, pad_align=None):
+def a_choice(name=ALLTOALL, device_counts=False, skips_chunk_sort=False, pad_align=None, static_pad_rows=False):
+    return ExchangeChoice(name, None, device_counts, skips_chunk_sort, pad_align, static_pad_rows, ())
+
+
+def given_choice(monkeypatch, name=ALLTOALL, **options):
     """The dispatchers build from this exchange choice instead of the config's plan."""
-    choice = ExchangeChoice(name, None, device_counts, skips_chunk_sort, pad_align, ())
+    choice = a_choice(name, **options)
     monkeypatch.setattr(dispatchers, "_exchange_plan", lambda dispatcher: choice)
 
 
@@ -68,7 +73,8 @@ def test_the_alltoall_dispatcher_gets_one_exchange(moe_config, monkeypatch, symm
     exchange = object()
     monkeypatch.setattr(exchanges, "SymmetricExchange", lambda group, topk: exchange)
     one_source = device_counts and ep == 1 and tp == 1
-    given_choice(monkeypatch, SYMMETRIC_MEMORY if symmetric else ALLTOALL, device_counts, one_source or symmetric)
+    given_choice(monkeypatch, SYMMETRIC_MEMORY if symmetric else ALLTOALL, device_counts=device_counts,
+                 skips_chunk_sort=one_source or symmetric)
     config = moe_config(moe_device_tokens_per_expert=device_counts)
     dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=config)
     assert type(dispatcher.exchange) is expected
@@ -89,35 +95,39 @@ def test_exchanges_declare_what_they_do():
     }
 
 
-@pytest.mark.parametrize("align", [None, 16])
-def test_the_alltoall_dispatcher_gets_one_permute_step(moe_config, monkeypatch, align):
+@pytest.mark.parametrize("align, static", [(None, False), (16, False), (128, True)])
+def test_the_alltoall_dispatcher_gets_one_permute_step(moe_config, monkeypatch, align, static):
     stubbed_stock_init(monkeypatch)
-    given_choice(monkeypatch, pad_align=align)
-    config = moe_config(moe_pad_expert_input_to_capacity=False)
+    given_choice(monkeypatch, pad_align=align, device_counts=static, static_pad_rows=static)
+    config = moe_config(moe_pad_expert_input_to_capacity=False, moe_router_topk=2)
     step = dispatchers.PatchedAlltoAllTokenDispatcher(config=config).permute_step
     if align is None:
         assert type(step) is PlainPermute and not step.pads
         assert (step.fused, step.drop_and_pad, step.router_align) == (True, False, None)
+    elif static:
+        assert type(step) is StaticPaddedPermute and step.pads and (step.align, step.topk) == (128, 2)
     else:
         assert type(step) is PaddedPermute and step.pads and step.align == 16
 
 
 def test_the_plain_alltoall_step_carries_the_stock_options(moe_config):
     config = moe_config(moe_permute_fusion=False, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-    step = dispatchers.alltoall_permute_step(config, None)
+    step = dispatchers.alltoall_permute_step(config, a_choice())
     assert (step.fused, step.drop_and_pad, step.router_align) == (False, True, None)
     config = moe_config(fp8="e4m3", fp8_recipe="mxfp8", moe_router_padding_for_quantization=True)
-    assert dispatchers.alltoall_permute_step(config, None).router_align == 32  # megatron-core's alignment
+    assert dispatchers.alltoall_permute_step(config, a_choice()).router_align == 32  # megatron-core's alignment
 
 
-@pytest.mark.parametrize("align, counts_on_device, expected", [
-    (None, False, PlainPermute),
-    (16, False, PaddedPermute),
-    (None, True, DeviceCountPermute),
+@pytest.mark.parametrize("align, counts_on_device, static, expected", [
+    (None, False, False, PlainPermute),
+    (16, False, False, PaddedPermute),
+    (None, True, False, DeviceCountPermute),
+    (128, True, True, StaticPaddedPermute),
 ])
-def test_the_allgather_dispatcher_gets_one_permute_step(moe_config, monkeypatch, align, counts_on_device, expected):
+def test_the_allgather_dispatcher_gets_one_permute_step(moe_config, monkeypatch, align, counts_on_device, static,
+                                                        expected):
     stubbed_stock_init(monkeypatch)
-    given_choice(monkeypatch, ALLGATHER, device_counts=counts_on_device, pad_align=align)
+    given_choice(monkeypatch, ALLGATHER, device_counts=counts_on_device, pad_align=align, static_pad_rows=static)
     dispatcher = dispatchers.PatchedAllGatherTokenDispatcher(config=moe_config(moe_token_dispatcher_type="allgather"))
     assert type(dispatcher.permute_step) is expected and type(dispatcher.exchange) is AllGather
     assert dispatcher.local_experts == slice(0, 4)

@@ -327,7 +327,7 @@ def test_fc2_is_scaled_by_the_glu_output_amax_and_fc1_by_its_input_gradient_amax
     backend = fp8.FP8GroupedMMBackend(owner)
     calls = {}
     backend._recipe = backend._recipe._replace(
-        linear=lambda groups, fp8_wgrad: lambda x, w, weights, **amaxes: calls.setdefault(len(calls), amaxes))
+        linear=lambda groups, fp8_wgrad, *kernels: lambda x, w, weights, **amaxes: calls.setdefault(len(calls), amaxes))
     groups = RowGroups(torch.tensor([3, 1]), 4, "cpu")
     gemm = backend.gemm(groups)
     for linear in (owner.linear_fc1, owner.linear_fc2):

@@ -114,7 +114,8 @@ def bare_alltoall(config, ep_size, num_local_experts, ep_rank=0):
     """The dispatcher without __init__ (that needs CUDA streams): the attributes preprocess reads."""
     dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)
     dispatcher.config = config
-    dispatcher.permute_step = alltoall_permute_step(config, fused_padding_alignment(config))
+    fused_padding_alignment(config)  # the plan's lines, said once
+    dispatcher.permute_step = alltoall_permute_step(config, moe_plan.plan_for(config).exchange)
     dispatcher.exchange = NcclAllToAll()
     dispatcher.drop_and_pad = False
     dispatcher.ep_size, dispatcher.tp_size, dispatcher.tp_rank = ep_size, 1, 0

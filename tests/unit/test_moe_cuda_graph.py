@@ -155,7 +155,7 @@ def test_allgather_device_counts_wiring(monkeypatch):
     monkeypatch.setattr(permute_pad, "permute", fake_permute)
     c = config(moe_token_dispatcher_type="allgather")
     dispatcher = object.__new__(dispatchers.PatchedAllGatherTokenDispatcher)
-    dispatcher.permute_step = dispatchers.allgather_permute_step(c, None, counts_on_device=True)
+    dispatcher.permute_step = dispatchers.allgather_permute_step(c, moe_plan.plan_for(c).exchange)
     dispatcher.local_experts = slice(0, 8)
     routing = torch.zeros(5, 8, dtype=torch.bool)
     for token, experts in enumerate([(0, 3), (3, 7), (0, 1), (1, 3), (6, 7)]):

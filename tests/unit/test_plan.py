@@ -101,7 +101,8 @@ def test_every_decision_with_its_reason(moe_config, hopper_node):
         ),
         padding=PaddingPlan(16, EXPERTS, f"it needs {TE_KERNEL_NEEDED}"),
         exchange=moe_plan.ExchangeChoice(name=moe_plan.ALLTOALL, reason=te_backend, device_counts=True,
-                                         skips_chunk_sort=False, pad_align=None, contradictions=()),
+                                         skips_chunk_sort=False, pad_align=None, static_pad_rows=False,
+                                         contradictions=()),
         single_grouped_refusal=None,
         graph_blocker=f"--expert-model-parallel-size 2: the symmetric exchange cannot run here ({te_backend})",
         ep_size=2,
@@ -128,7 +129,7 @@ def test_the_granted_sync_free_path(moe_config, hopper_node):
                                      ("fp8_grouped_mm", "it computes FP8 only (bf16 runs the grouped_mm backend)"))
     assert plan.padding == PaddingPlan(None, NOBODY)
     assert plan.exchange == moe_plan.ExchangeChoice(moe_plan.ALLTOALL, "expert parallelism is 1 (nothing to exchange)",
-                                                    True, True, None, ())
+                                                    True, True, None, False, ())
     assert plan.single_grouped_refusal is None and plan.graph_blocker is None
     assert plan.notes == ((logging.WARNING, moe_plan.EP1_NOTHING_TO_EXCHANGE),)
 
@@ -146,11 +147,11 @@ def test_single_grouped_params_refused_by_the_plan_name_every_backend(moe_config
 def test_the_dispatchers_options_per_exchange(moe_config):
     allgather = moe_config(**GLU, moe_device_tokens_per_expert=True, moe_token_dispatcher_type="allgather")
     assert moe_plan.plan_for(allgather).exchange == moe_plan.ExchangeChoice(moe_plan.ALLGATHER, None, True, False,
-                                                                           None, ())
+                                                                           None, False, ())
     flex = moe_config(**GLU, moe_token_dispatcher_type="flex")
-    assert moe_plan.plan_for(flex).exchange == moe_plan.ExchangeChoice(moe_plan.FLEX, None, False, False, None, ())
+    assert moe_plan.plan_for(flex).exchange == moe_plan.ExchangeChoice(moe_plan.FLEX, None, False, False, None, False, ())
     nccl = moe_config(**GLU, moe_device_tokens_per_expert=True, expert_model_parallel_size=2)
-    assert moe_plan.plan_for(nccl).exchange == moe_plan.ExchangeChoice(moe_plan.ALLTOALL, None, True, False, None, ())
+    assert moe_plan.plan_for(nccl).exchange == moe_plan.ExchangeChoice(moe_plan.ALLTOALL, None, True, False, None, False, ())
 
 
 def test_plan_checks_the_process_groups_against_the_config(moe_config):

@@ -175,7 +175,8 @@ def test_dispatcher_routes_through_the_exchange_and_never_asks_the_host(moe_conf
     dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)  # no __init__: it needs CUDA streams
     fake = _FakeExchange()
     dispatcher.config, dispatcher.exchange = config, SymmetricMemoryAllToAll(fake)
-    dispatcher.shared_experts, dispatcher.permute_step = None, alltoall_permute_step(config, None)
+    dispatcher.shared_experts = None
+    dispatcher.permute_step = alltoall_permute_step(config, moe_plan.plan_for(config).exchange)
     routing_map = torch.zeros(6, 8, dtype=torch.bool)
     routing_map[torch.arange(6), torch.arange(6) % 8] = True
     routing_map[torch.arange(6), 7] = True

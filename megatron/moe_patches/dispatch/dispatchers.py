@@ -3,7 +3,7 @@ in ``__init__``: an exchange (``exchanges``) and a permute step (``permute_pad``
 
 - ``PatchedAllGatherTokenDispatcher``: exchange ``AllGather`` (megatron-core's); permute
   step plain, padded (F1: permute+pad in one pass when the plan gives the dispatcher the
-  padding) or device-counted (F8 with one rank and no TP: every expert is
+  padding; at one rank with device counts into a static row count) or device-counted (F8 with one rank and no TP: every expert is
   local, so the permuted row count is tokens x top-k, known without the GPU, and the
   counts stay on the device).
 - ``PatchedAlltoAllTokenDispatcher``: exchange NCCL's all-to-all (megatron-core's; with
@@ -25,7 +25,8 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from megatron.moe_patches.dispatch.exchanges import AllGather, alltoall_exchange
-from megatron.moe_patches.dispatch.permute_pad import DeviceCountPermute, PaddedPermute, PlainPermute
+from megatron.moe_patches.dispatch.permute_pad import (
+    DeviceCountPermute, PaddedPermute, PlainPermute, StaticPaddedPermute)
 from megatron.moe_patches.plan import plan_for
 
 
@@ -37,17 +38,26 @@ def _exchange_plan(dispatcher):
     return plan.exchange
 
 
-def alltoall_permute_step(config, pad_align):
-    """F1's padded permute where the dispatcher pads (``pad_align``), else megatron-core's."""
-    return PlainPermute.for_alltoall(config) if pad_align is None else PaddedPermute(pad_align)
+def _padded_step(config, choice):
+    """F1's padded permute: into a static row count at one rank (``static_pad_rows``), else
+    sized by the padded counts."""
+    if choice.static_pad_rows:
+        return StaticPaddedPermute(choice.pad_align, config.moe_router_topk)
+    return PaddedPermute(choice.pad_align)
 
 
-def allgather_permute_step(config, pad_align, counts_on_device: bool):
+def alltoall_permute_step(config, choice):
+    """F1's padded permute where the dispatcher pads (the plan's ``pad_align``), else
+    megatron-core's."""
+    return PlainPermute.for_alltoall(config) if choice.pad_align is None else _padded_step(config, choice)
+
+
+def allgather_permute_step(config, choice):
     """F1's padded permute, F8's device-counted one (the plan's ``device_counts``), else
     megatron-core's."""
-    if pad_align is not None:
-        return PaddedPermute(pad_align)
-    if counts_on_device:
+    if choice.pad_align is not None:
+        return _padded_step(config, choice)
+    if choice.device_counts:
         return DeviceCountPermute(config.moe_router_topk)
     return PlainPermute(fused=config.moe_permute_fusion)
 
@@ -59,7 +69,7 @@ class PatchedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         choice = _exchange_plan(self)
-        self.permute_step = allgather_permute_step(self.config, choice.pad_align, choice.device_counts)
+        self.permute_step = allgather_permute_step(self.config, choice)
         self.pad_offsets = None
         self.exchange = AllGather()
         self.local_experts = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
@@ -97,7 +107,7 @@ class PatchedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         choice = _exchange_plan(self)
-        self.permute_step = alltoall_permute_step(self.config, choice.pad_align)
+        self.permute_step = alltoall_permute_step(self.config, choice)
         self.pad_offsets = None
         self.exchange = alltoall_exchange(choice, self.ep_group, self.config.moe_router_topk)
 

@@ -15,6 +15,11 @@ A dispatcher holds one step, chosen at construction (``dispatchers.alltoall_perm
   groups padded to the alignment, and ``moe_unpermute(..., pad_offsets=...)`` drops the
   padding rows at combine time. The experts then skip their own padding (F3). Upstream:
   NVIDIA/Megatron-LM#2763 (kernel: TransformerEngine#1921).
+- ``StaticPaddedPermute``: the same kernels at one rank with the counts kept on the device,
+  for experts whose GEMMs need each expert's rows to start on an ``align``-row boundary
+  (F10's blockwise experts on DeepGEMM): the row count is static (tokens x top-k + experts
+  x (align - 1), the last expert's group taking the slack) and the pad offsets are computed
+  on the device, so nothing waits for the GPU and CUDA graphs can hold it (F11).
 
 EP > 1 (alltoall): every rank pads each of its (expert) chunks before the all-to-all,
 so each (source rank, local expert) block arrives as a multiple of the alignment and the
@@ -61,6 +66,13 @@ def permute_and_pad(tokens, probs, routing_map, align: int):
     """TE's fused permute+pad: (tokens, probs, row_id_map, pad_offsets or None, padded counts)."""
     counts = routing_map.sum(dim=0)
     return _te_permutation().moe_permute_and_pad_with_probs(tokens, probs, routing_map, counts, align)
+
+
+def permute_into_rows(tokens, probs, routing_map, rows: int, pad_offsets):
+    """TE's permute kernel into ``rows`` rows with device-side ``pad_offsets`` (no host sync;
+    autograd as TE registers it for the op)."""
+    _te_permutation()  # importing it registers the op
+    return torch.ops.te_moe.permute_mask_map_fwd(tokens, routing_map, rows, probs, pad_offsets)
 
 
 def unpermute_and_unpad(tokens, row_id_map, pad_offsets, restore_shape):
@@ -157,6 +169,60 @@ class DeviceCountPermute(PlainPermute):
         tokens_per_expert_E = routing_map_TE.sum(dim=0).long()
         permuted = self.permute(x_TH, probs_TE, routing_map_TE, routing_map_TE.shape[0] * self.topk)
         return permuted._replace(tokens_per_expert=tokens_per_expert_E)
+
+
+def static_padded_rows(num_tokens: int, topk: int, num_experts: int, align: int) -> int:
+    """Rows of ``StaticPaddedPermute``'s output: enough for any routing of ``num_tokens``
+    tokens to ``topk`` of ``num_experts`` experts with each group padded to ``align``."""
+    return num_tokens * topk + num_experts * (align - 1)
+
+
+def static_padded_layout(counts_E: torch.Tensor, rows: int, align: int):
+    """(padded_E, pad_offsets_E) for ``counts_E`` routed rows per expert in ``rows`` rows:
+    each count rounded up to ``align``, the last expert's taking the slack so the groups
+    fill ``rows`` whatever the routing; pad_offsets_E[e] is how far expert e's rows move
+    down (the padding of the experts before it). Device ops on E elements, no sync."""
+    padded_E = align_up(counts_E.long(), align)
+    padded_E[-1] += rows - padded_E.sum()
+    pads_E = padded_E - counts_E
+    return padded_E, torch.cumsum(pads_E, 0) - pads_E
+
+
+class StaticPaddedPermute:
+    """One rank, device counts: rows grouped by expert, each group starting on an ``align``-row
+    boundary, in a buffer of static size (``static_padded_rows``); the padding rows and their
+    probs are zero, and the experts get the padded counts (the last group holds the slack)."""
+
+    pads = True
+
+    def __init__(self, align: int, topk: int):
+        self.align = align
+        self.topk = topk
+
+    def route(self, routing_map_TE: torch.Tensor) -> torch.Tensor:
+        return routing_map_TE  # the router never pads here (padding_plan)
+
+    def _rows(self, routing_map_TE) -> int:
+        tokens, experts = routing_map_TE.shape
+        return static_padded_rows(tokens, self.topk, experts, self.align)
+
+    def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
+        """One source rank: the experts' counts are the padded groups' sizes."""
+        padded_E, _ = static_padded_layout(tokens_per_local_expert, self._rows(routing_map_TE), self.align)
+        return padded_E
+
+    def permute(self, x_TH, probs_TE, routing_map_TE, num_out_tokens=None) -> Permuted:
+        """``num_out_tokens`` unused: the row count is static."""
+        rows = self._rows(routing_map_TE)
+        padded_E, pad_offsets_E = static_padded_layout(routing_map_TE.sum(dim=0), rows, self.align)
+        x_RH, row_id_map, probs_R = permute_into_rows(x_TH, probs_TE, routing_map_TE, rows, pad_offsets_E)
+        return Permuted(x_RH, probs_R, row_id_map, pad_offsets_E, padded_E, routing_map_TE)
+
+    def permute_local(self, x_TH, probs_TE, routing_map_TE, local: slice) -> Permuted:
+        return self.permute(x_TH, probs_TE, routing_map_TE)  # one rank: ``local`` is every expert
+
+    def unpermute(self, y_RH, row_id_map, pad_offsets, restore_shape, routing_map_TE):
+        return unpermute_and_unpad(y_RH, row_id_map, pad_offsets, restore_shape)
 
 
 class PaddedPermute:

@@ -109,6 +109,14 @@ class ExpertBackend:
     def required_alignment(cls, config) -> Optional[int]:
         return cls.alignment
 
+    @classmethod
+    def aligned_groups(cls, config) -> Tuple[Optional[int], Optional[str]]:
+        """(rows, kernels): where a backend that takes any rows (``alignment`` 1) has faster
+        kernels for groups each starting on a multiple of ``rows``, which the dispatcher pads
+        where it can (the plan decides; ``experts.padding_plan.static_rows`` says it did);
+        (None, None) otherwise."""
+        return None, None
+
     # megatron-core's own methods (apply() binds the experts' spec to the patched class,
     # never this name).
     stock = TEGroupedMLP

@@ -53,6 +53,7 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts import fp8_blockwise
 from megatron.moe_patches.experts.backend import FP8
 from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups, grouped_param, weight_params
+from megatron.moe_patches.kernels import deep_gemm_grouped
 from megatron.moe_patches.kernels.expert_amax import expert_amax_reference, triton_expert_max
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import quantize_weight_tiles, written_into
 from megatron.moe_patches.kernels.weighted_glu import ExpertAmax
@@ -382,26 +383,32 @@ def tensorwise_linear(groups: RowGroups, fp8_wgrad: bool):
 class FP8Recipe(NamedTuple):
     """What one FP8 recipe of the fast path computes with: how an FC's weights are quantized
     once per step (``quantize(w_EOI, into)``), its grouped linear (``linear(groups,
-    fp8_wgrad)`` -> (x_TI, w_EOI, weights) -> y_TO), and whether that linear scales per
-    expert from amaxes the weighted GLU gathers (``glu_amax``: the linear then takes
-    ``x_amax_E`` and ``dy_amax_E``)."""
+    fp8_wgrad[, grouped_nt])`` -> (x_TI, w_EOI, weights) -> y_TO), whether that linear scales
+    per expert from amaxes the weighted GLU gathers (``glu_amax``: the linear then takes
+    ``x_amax_E`` and ``dy_amax_E``), and, for a linear that takes its fprop/dgrad GEMM, the
+    GEMM for groups the dispatcher aligned or not (``grouped_nt(aligned_groups)``)."""
 
     quantize: Callable
     linear: Callable
     glu_amax: bool
+    grouped_nt: Optional[Callable] = None
 
 
 RECIPES = {
     "tensorwise": FP8Recipe(quantize_weights, tensorwise_linear, glu_amax=True),
     # 1x128 scales need no amax beforehand: each block is scaled where it is quantized
-    "blockwise": FP8Recipe(quantize_weight_tiles, fp8_blockwise.blockwise_linear, glu_amax=False),
+    "blockwise": FP8Recipe(quantize_weight_tiles, fp8_blockwise.blockwise_linear, glu_amax=False,
+                           grouped_nt=fp8_blockwise.grouped_nt_kernel),
 }
+DEEP_GEMM_KERNELS = "DeepGEMM's blockwise FP8 grouped GEMMs for fprop and dgrad"
 BLOCKWISE_SIZES = ("hidden_size", "moe_ffn_hidden_size")  # each FC's in and out features
 
 
 class FP8GroupedMMBackend(GroupedMMBackend):
     """Sync-free FP8 experts, one grouped GEMM per FC on Hopper: tensorwise through
-    torch._scaled_grouped_mm, blockwise through the Triton kernels (``fp8_blockwise``)."""
+    torch._scaled_grouped_mm, blockwise through the Triton kernels (``fp8_blockwise``), its
+    fprop and dgrad on DeepGEMM where installed (the dispatcher then pads each expert's rows
+    to 128: ``aligned_groups``)."""
 
     name = "fp8_grouped_mm"
     precisions = (FP8,)
@@ -425,6 +432,14 @@ class FP8GroupedMMBackend(GroupedMMBackend):
                             f"of 128 (whole 128x128 weight tiles)")
         return super().unavailable(config)
 
+    @classmethod
+    def aligned_groups(cls, config):
+        """Blockwise runs fprop and dgrad on DeepGEMM where it is installed: it needs each
+        expert's rows to start on a 128-row boundary."""
+        if config.fp8_recipe != "blockwise" or not cap.deep_gemm_grouped_fp8():
+            return None, None
+        return deep_gemm_grouped.GROUP_ALIGN, DEEP_GEMM_KERNELS
+
     def __init__(self, experts):
         super().__init__(experts)
         recipe = experts.config.fp8_recipe
@@ -434,6 +449,9 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         self._caches = {linear: FP8WeightCache(self._recipe.quantize)
                         for linear in (experts.linear_fc1, experts.linear_fc2)}
         self._fp8_wgrad = experts.config.fp8_wgrad  # --no-fp8-wgrad: weight gradients in bf16
+        # the fprop/dgrad GEMM, for the groups the plan had the dispatcher align or not
+        grouped_nt = self._recipe.grouped_nt
+        self._kernels = () if grouped_nt is None else (grouped_nt(experts.padding_plan.static_rows),)
 
     def refresh_weight_caches(self):
         """Quantize the weights of each FC whose cache is stale (a step's first micro-batch);
@@ -451,7 +469,7 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         return groups.derived("glu_amax", lambda g: ExpertAmax.zeros(g.expert_T, g.offsets_E.numel()))
 
     def gemm(self, groups: RowGroups):
-        linear_step = self._recipe.linear(groups, self._fp8_wgrad)
+        linear_step = self._recipe.linear(groups, self._fp8_wgrad, *self._kernels)
         amax = self.glu_amax(groups)
         fc1, fc2 = self._caches
         # FC2 reads the GLU's output; FC1's output gradient is the GLU's input gradient

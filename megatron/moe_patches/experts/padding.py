@@ -7,7 +7,10 @@ multiple of and which stage pads:
 - ``router``: megatron-core's router already pads (``moe_router_padding_for_quantization``);
 - ``hybridep``: HybridEP (flex dispatcher, hybridep backend) pads on device;
 - ``permute``: our dispatchers permute straight into the padded layout (F1, fused
-  permute+pad), where TE has the kernel and the dispatcher is alltoall/allgather;
+  permute+pad), where TE has the kernel and the dispatcher is alltoall/allgather; with
+  ``static_rows`` into a static row count with the counts on the device (one rank:
+  graph-safe), for experts that take any rows but whose kernels need aligned groups
+  (``ExpertBackend.aligned_groups``);
 - ``experts``: the experts pad themselves (TE's Fp8Padding), as stock megatron-core does;
 - ``nobody``: bf16 needs no alignment, nor a backend that takes any row count.
 
@@ -34,6 +37,7 @@ class PaddingPlan:
     align: Optional[int]  # rows each expert's token count must be a multiple of; None: no padding
     padded_by: str  # NOBODY | ROUTER | HYBRIDEP | PERMUTE | EXPERTS
     reason: Optional[str] = None  # EXPERTS: why the dispatcher does not pad instead (F1), else None
+    static_rows: bool = False  # PERMUTE: a static row count, counts on the device (one rank)
 
     @property
     def dispatcher_pads(self) -> bool:
