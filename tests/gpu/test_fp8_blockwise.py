@@ -158,9 +158,10 @@ def test_blockwise_backend_matches_stock_te_blockwise(single_gpu, monkeypatch, a
 
 @pytest.mark.parametrize("counts", [[0, 300, 1, 0, 83, 128], [1024] * 4])
 def test_deep_gemm_grouped_nt_equals_the_float64_reference_on_128_row_groups(counts):
-    """DeepGEMM's fprop on groups padded to 128 rows (zero padding rows) against the
-    PyTorch twin of the recipe: one fp32 accumulation per 128-K block rounded to bf16 once
-    (2**-8 relative, 2**-11 of the largest magnitude for the 14-bit products)."""
+    """DeepGEMM's fprop on groups padded to 128 rows (zero padding rows) and a tail of rows
+    past the last group (nonzero: they must come out zero) against the PyTorch twin of the
+    recipe: one fp32 accumulation per 128-K block rounded to bf16 once (2**-8 relative,
+    2**-11 of the largest magnitude for the 14-bit products)."""
     if not cap.deep_gemm_grouped_fp8():
         pytest.skip("DeepGEMM is not installed")
     from megatron.moe_patches.kernels import deep_gemm_grouped
@@ -169,7 +170,7 @@ def test_deep_gemm_grouped_nt_equals_the_float64_reference_on_128_row_groups(cou
     padded = [-(-c // 128) * 128 for c in counts]
     ends_E = torch.tensor(padded, device="cuda").cumsum(0).to(torch.int32)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(sum(padded), K, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(sum(padded) + 77, K, device="cuda", generator=gen).to(torch.bfloat16)
     start = 0
     for c, p in zip(counts, padded):
         x[start + c:start + p] = 0
@@ -183,4 +184,4 @@ def test_deep_gemm_grouped_nt_equals_the_float64_reference_on_128_row_groups(cou
     m = want.abs().max().item()
     err = (got - want).abs()
     assert (err <= 2.0**-8 * want.abs() + 2.0**-11 * m).all(), err.max().item()
-    assert not got[x.abs().sum(1) == 0].any()  # padding rows stay zero
+    assert not got[x.abs().sum(1) == 0].any() and not got[sum(padded):].any()  # padding rows, tail

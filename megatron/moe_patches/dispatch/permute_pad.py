@@ -177,21 +177,19 @@ def static_padded_rows(num_tokens: int, topk: int, num_experts: int, align: int)
     return num_tokens * topk + num_experts * (align - 1)
 
 
-def static_padded_layout(counts_E: torch.Tensor, rows: int, align: int):
-    """(padded_E, pad_offsets_E) for ``counts_E`` routed rows per expert in ``rows`` rows:
-    each count rounded up to ``align``, the last expert's taking the slack so the groups
-    fill ``rows`` whatever the routing; pad_offsets_E[e] is how far expert e's rows move
-    down (the padding of the experts before it). Device ops on E elements, no sync."""
+def static_padded_layout(counts_E: torch.Tensor, align: int):
+    """(padded_E, pad_offsets_E) for ``counts_E`` routed rows per expert: each count rounded
+    up to ``align``; pad_offsets_E[e] is how far expert e's rows move down (the padding of
+    the experts before it). Device ops on E elements, no sync."""
     padded_E = align_up(counts_E.long(), align)
-    padded_E[-1] += rows - padded_E.sum()
     pads_E = padded_E - counts_E
     return padded_E, torch.cumsum(pads_E, 0) - pads_E
 
 
 class StaticPaddedPermute:
     """One rank, device counts: rows grouped by expert, each group starting on an ``align``-row
-    boundary, in a buffer of static size (``static_padded_rows``); the padding rows and their
-    probs are zero, and the experts get the padded counts (the last group holds the slack)."""
+    boundary, in a buffer of static size (``static_padded_rows``); the padding rows, the rows
+    past the last group and their probs are zero, and the experts get the padded counts."""
 
     pads = True
 
@@ -208,13 +206,12 @@ class StaticPaddedPermute:
 
     def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
         """One source rank: the experts' counts are the padded groups' sizes."""
-        padded_E, _ = static_padded_layout(tokens_per_local_expert, self._rows(routing_map_TE), self.align)
-        return padded_E
+        return static_padded_layout(tokens_per_local_expert, self.align)[0]
 
     def permute(self, x_TH, probs_TE, routing_map_TE, num_out_tokens=None) -> Permuted:
         """``num_out_tokens`` unused: the row count is static."""
         rows = self._rows(routing_map_TE)
-        padded_E, pad_offsets_E = static_padded_layout(routing_map_TE.sum(dim=0), rows, self.align)
+        padded_E, pad_offsets_E = static_padded_layout(routing_map_TE.sum(dim=0), self.align)
         x_RH, row_id_map, probs_R = permute_into_rows(x_TH, probs_TE, routing_map_TE, rows, pad_offsets_E)
         return Permuted(x_RH, probs_R, row_id_map, pad_offsets_E, padded_E, routing_map_TE)
 
