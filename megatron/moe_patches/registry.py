@@ -306,15 +306,19 @@ SERIES: Tuple[Feature, ...] = (
         "output gradient gathered by the weighted GLU's kernels, weights quantized once per "
         "optimizer step, FP8 wgrad unless --no-fp8-wgrad), sync-free and without padding; with FP8 "
         "blockwise (TE's Float8BlockScaling: 1x128 / 128x128 power-of-two scales) the Triton grouped "
-        "GEMMs of kernels/fp8_grouped_gemm.py with single-pass quantizers (experts/fp8_blockwise.py).",
+        "GEMMs of kernels/fp8_grouped_gemm.py with single-pass quantizers (experts/fp8_blockwise.py); "
+        "where DeepGEMM is installed, blockwise fprop/dgrad on its grouped GEMM (kernels/deep_gemm_grouped.py) "
+        "with the dispatcher padding each expert's rows to 128 into a static row count "
+        "(dispatch/permute_pad.py StaticPaddedPermute, one rank).",
         fields=(),
         upstream=("none: this project's backend (the FP8 counterpart of F8's grouped_mm)",),
-        te_requirement="none (torch._scaled_grouped_mm on sm90, Triton; TE only as the reference in GPU tests)",
+        te_requirement="none (torch._scaled_grouped_mm on sm90, Triton); blockwise on DeepGEMM: TE's permute "
+        "kernel with pad offsets (TE >= 2.14)",
         te_probe=None,
         native=lambda: False,
         page="patches/F10-fp8-grouped-mm.md",
-        test="tests/unit/test_fp8_grouped_mm.py, tests/unit/test_fp8_blockwise.py, tests/gpu/test_fp8_grouped_mm.py, "
-        "tests/gpu/test_fp8_blockwise.py",
+        test="tests/unit/test_fp8_grouped_mm.py, tests/unit/test_fp8_blockwise.py, tests/unit/test_aligned_groups.py, "
+        "tests/gpu/test_fp8_grouped_mm.py, tests/gpu/test_fp8_blockwise.py",
         module="megatron.moe_patches.experts.fp8_grouped_mm",
         bindings=(),
         requires=("C0", "F3", "F8"),
