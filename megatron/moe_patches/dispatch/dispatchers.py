@@ -3,9 +3,9 @@ in ``__init__``: an exchange (``exchanges``) and a permute step (``permute_pad``
 
 - ``PatchedAllGatherTokenDispatcher``: exchange ``AllGather`` (megatron-core's); permute
   step plain, padded (F1: permute+pad in one pass when the plan gives the dispatcher the
-  padding; at one rank with device counts into a static row count) or device-counted (F8 with one rank and no TP: every expert is
-  local, so the permuted row count is tokens x top-k, known without the GPU, and the
-  counts stay on the device).
+  padding; at one rank with device counts into a static row count) or device-counted (F8
+  with one rank and no TP: every expert is local, so the permuted row count is tokens x
+  top-k, known without the GPU, and the counts stay on the device).
 - ``PatchedAlltoAllTokenDispatcher``: exchange NCCL's all-to-all (megatron-core's; with
   F8 the experts' counts stay on the device, and with one source rank and no TP the chunk
   sort by local expert, the identity, is skipped) or the symmetric-memory one (F12: no

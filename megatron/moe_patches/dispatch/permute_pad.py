@@ -18,8 +18,9 @@ A dispatcher holds one step, chosen at construction (``dispatchers.alltoall_perm
 - ``StaticPaddedPermute``: the same kernels at one rank with the counts kept on the device,
   for experts whose GEMMs need each expert's rows to start on an ``align``-row boundary
   (F10's blockwise experts on DeepGEMM): the row count is static (tokens x top-k + experts
-  x (align - 1), the last expert's group taking the slack) and the pad offsets are computed
-  on the device, so nothing waits for the GPU and CUDA graphs can hold it (F11).
+  x (align - 1); the rows past the last group belong to no expert and are zero) and the pad
+  offsets are computed on the device, so nothing waits for the GPU and CUDA graphs can hold
+  it (F11).
 
 EP > 1 (alltoall): every rank pads each of its (expert) chunks before the all-to-all,
 so each (source rank, local expert) block arrives as a multiple of the alignment and the
@@ -186,42 +187,6 @@ def static_padded_layout(counts_E: torch.Tensor, align: int):
     return padded_E, torch.cumsum(pads_E, 0) - pads_E
 
 
-class StaticPaddedPermute:
-    """One rank, device counts: rows grouped by expert, each group starting on an ``align``-row
-    boundary, in a buffer of static size (``static_padded_rows``); the padding rows, the rows
-    past the last group and their probs are zero, and the experts get the padded counts."""
-
-    pads = True
-
-    def __init__(self, align: int, topk: int):
-        self.align = align
-        self.topk = topk
-
-    def route(self, routing_map_TE: torch.Tensor) -> torch.Tensor:
-        return routing_map_TE  # the router never pads here (padding_plan)
-
-    def _rows(self, routing_map_TE) -> int:
-        tokens, experts = routing_map_TE.shape
-        return static_padded_rows(tokens, self.topk, experts, self.align)
-
-    def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
-        """One source rank: the experts' counts are the padded groups' sizes."""
-        return static_padded_layout(tokens_per_local_expert, self.align)[0]
-
-    def permute(self, x_TH, probs_TE, routing_map_TE, num_out_tokens=None) -> Permuted:
-        """``num_out_tokens`` unused: the row count is static."""
-        rows = self._rows(routing_map_TE)
-        padded_E, pad_offsets_E = static_padded_layout(routing_map_TE.sum(dim=0), self.align)
-        x_RH, row_id_map, probs_R = permute_into_rows(x_TH, probs_TE, routing_map_TE, rows, pad_offsets_E)
-        return Permuted(x_RH, probs_R, row_id_map, pad_offsets_E, padded_E, routing_map_TE)
-
-    def permute_local(self, x_TH, probs_TE, routing_map_TE, local: slice) -> Permuted:
-        return self.permute(x_TH, probs_TE, routing_map_TE)  # one rank: ``local`` is every expert
-
-    def unpermute(self, y_RH, row_id_map, pad_offsets, restore_shape, routing_map_TE):
-        return unpermute_and_unpad(y_RH, row_id_map, pad_offsets, restore_shape)
-
-
 class PaddedPermute:
     """F1: rows grouped by expert, each group padded to a multiple of ``align`` in the same
     pass; the unpermute drops the padding rows."""
@@ -269,3 +234,29 @@ class PaddedPermute:
 
     def unpermute(self, y_RH, row_id_map, pad_offsets, restore_shape, routing_map_TE):
         return unpermute_and_unpad(y_RH, row_id_map, pad_offsets, restore_shape)
+
+
+class StaticPaddedPermute(PaddedPermute):
+    """One rank, device counts: rows grouped by expert, each group starting on an ``align``-row
+    boundary, in a buffer of static size (``static_padded_rows``); the padding rows, the rows
+    past the last group and their probs are zero, and the experts get the padded counts.
+    The routing and the unpermute are ``PaddedPermute``'s."""
+
+    def __init__(self, align: int, topk: int):
+        super().__init__(align)
+        self.topk = topk
+
+    def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
+        """One source rank: the experts' counts are the padded groups' sizes."""
+        return static_padded_layout(tokens_per_local_expert, self.align)[0]
+
+    def permute(self, x_TH, probs_TE, routing_map_TE, num_out_tokens=None) -> Permuted:
+        """``num_out_tokens`` unused: the row count is static."""
+        tokens, experts = routing_map_TE.shape
+        rows = static_padded_rows(tokens, self.topk, experts, self.align)
+        padded_E, pad_offsets_E = static_padded_layout(routing_map_TE.sum(dim=0), self.align)
+        x_RH, row_id_map, probs_R = permute_into_rows(x_TH, probs_TE, routing_map_TE, rows, pad_offsets_E)
+        return Permuted(x_RH, probs_R, row_id_map, pad_offsets_E, padded_E, routing_map_TE)
+
+    def permute_local(self, x_TH, probs_TE, routing_map_TE, local: slice) -> Permuted:
+        return self.permute(x_TH, probs_TE, routing_map_TE)  # one rank: ``local`` is every expert

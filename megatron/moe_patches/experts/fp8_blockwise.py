@@ -43,8 +43,8 @@ def triton_grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, blocks: R
 
 def deep_gemm_grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, blocks: RowBlocks):
     """fprop/dgrad on DeepGEMM: each expert's rows start on a 128-row boundary."""
-    if not a8_TK.is_cuda:
-        return gemms.fp8_grouped_nt_reference(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, "blockwise")
+    if not a8_TK.is_cuda:  # the PyTorch twin, as for the Triton kernel
+        return triton_grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, blocks)
     return deep_gemm_grouped.grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b)
 
 

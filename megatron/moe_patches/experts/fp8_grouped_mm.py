@@ -436,7 +436,8 @@ class FP8GroupedMMBackend(GroupedMMBackend):
     def aligned_groups(cls, config):
         """Blockwise runs fprop and dgrad on DeepGEMM where it is installed: it needs each
         expert's rows to start on a 128-row boundary."""
-        if config.fp8_recipe != "blockwise" or not cap.deep_gemm_grouped_fp8():
+        recipe = RECIPES.get(config.fp8_recipe)
+        if recipe is None or recipe.grouped_nt is None or not cap.deep_gemm_grouped_fp8():
             return None, None
         return deep_gemm_grouped.GROUP_ALIGN, DEEP_GEMM_KERNELS
 
