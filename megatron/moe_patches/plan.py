@@ -237,9 +237,11 @@ def _aligned_groups(config, backend, notes) -> PaddingPlan:
                                     f"those need each expert's rows padded to {align} by the dispatcher, and "
                                     f"{reason}."))
         return PaddingPlan(None, NOBODY)
+    quantized_rows = backend.quantized_rows(config)
+    writes = " and writes their FP8 copy in the same pass" if quantized_rows else ""
     notes.append((logging.INFO, f"the {backend.name} experts run {kernels}; the dispatcher pads each expert's "
-                                f"rows to {align}."))
-    return PaddingPlan(align, PERMUTE, static_rows=True)
+                                f"rows to {align}{writes}."))
+    return PaddingPlan(align, PERMUTE, static_rows=True, quantized_rows=quantized_rows)
 
 
 # --- the exchange and the dispatcher's options (F8, F12) -------------------------------------
@@ -262,6 +264,7 @@ class ExchangeChoice:
     pad_align: Optional[int]  # the dispatcher permutes into this alignment (F1), else None
     static_pad_rows: bool  # and into a static row count, counts on the device (one rank)
     contradictions: Tuple[str, ...]  # what in the config contradicts moe_symmetric_exchange
+    quantized_rows: bool = False  # static_pad_rows: the permute writes the rows' FP8 copy too
 
 
 def exchange_config_errors(config) -> list:
@@ -341,7 +344,7 @@ def _exchange(config, backend, padding: PaddingPlan, notes) -> ExchangeChoice:
     # symmetric exchange lands rows sorted by local expert already.
     skips_chunk_sort = dispatcher == ALLTOALL and ((device_tokens and one_rank) or name == SYMMETRIC_MEMORY)
     return ExchangeChoice(name, reason, bool(device_counts), skips_chunk_sort, pad_align, padding.static_rows,
-                          tuple(exchange_config_errors(config)))
+                          tuple(exchange_config_errors(config)), padding.quantized_rows)
 
 
 # --- CUDA graphs of the MoE layer (F11) ------------------------------------------------------

@@ -128,6 +128,8 @@ CASES = [  # activation, experts, topk, tokens, dispatcher, fp8 format, expert b
     ("quick_geglu", 64, 1, 500, "allgather", "e4m3", False, True),
     ("swiglu", 64, 8, 1000, "alltoall", "e4m3", True, True),
     ("swiglu", 128, 8, 300, "alltoall", "e4m3", False, False),  # --no-fp8-wgrad
+    ("quick_geglu", 64, 1, 500, "allgather", "e4m3", False, False),
+    ("swiglu", 64, 8, 1000, "alltoall", "hybrid", True, False),
 ]
 
 
@@ -144,16 +146,30 @@ def kernels_in_use(kernels, monkeypatch):
 def test_blockwise_backend_matches_stock_te_blockwise(single_gpu, monkeypatch, activation, experts, topk, tokens,
                                                       dispatcher, fp8_format, bias, fp8_wgrad, kernels):
     kernels_in_use(kernels, monkeypatch)
+    taken = []  # whether each take_quantized_rows found a copy the dispatcher wrote
+    take = fp8_blockwise.take_quantized_rows
+    monkeypatch.setattr(fp8_blockwise, "take_quantized_rows", lambda x: taken.append(take(x)) or taken[-1])
     kwargs = {**small_moe_kwargs(experts, topk, activation, "fp8-blockwise", moe_token_dispatcher_type=dispatcher,
                                  fp8=fp8_format, moe_ffn_hidden_size=256, ffn_hidden_size=256),
               "add_bias_linear": bias, "fp8_wgrad": fp8_wgrad}
     layer = check_fp8_experts_against_stock(kwargs, tokens, [activation, experts, topk, tokens, dispatcher, fp8_format,
                                                              bias, fp8_wgrad, kernels])
     assert layer.experts.backend._recipe.quantize is bq.quantize_weight_tiles
-    # DeepGEMM: the dispatcher pads each expert's rows to 128 into a static row count
+    # DeepGEMM: the dispatcher pads each expert's rows to 128 into a static row count and,
+    # with bf16 wgrad, writes FC1's FP8 input and FC2's FP8 output gradient as it moves them
     aligned = kernels == "deepgemm"
     assert layer.experts.padding_plan.static_rows == aligned
     assert layer.experts.backend._kernels == (fp8_blockwise.grouped_nt_kernel(aligned),)
+    fused = aligned and not fp8_wgrad
+    assert layer.experts.padding_plan.quantized_rows == fused
+    assert getattr(layer.token_dispatcher.permute_step, "quantized_rows", False) == fused
+    found = [rows is not None for rows in taken]
+    if fused and not bias:  # FC1's forward and FC2's dgrad take them; FC2's forward and FC1's dgrad quantize
+        assert found and found.count(True) == found.count(False)
+    elif fused:  # FC2's bias add (in fp32) hands FC2 another gradient tensor: its dgrad quantizes
+        assert found and 3 * found.count(True) == found.count(False)
+    else:
+        assert True not in found
 
 
 @pytest.mark.parametrize("counts", [[0, 300, 1, 0, 83, 128], [1024] * 4])

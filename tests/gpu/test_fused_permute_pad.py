@@ -11,6 +11,8 @@ from gpu_checks import compare, run_layer, run_two_gpu_worker
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches.dispatch.permute_pad import (
     StaticPaddedPermute, permute_and_pad, static_padded_rows, unpermute_and_unpad)
+from megatron.moe_patches.kernels import fp8_blockwise_quantize as bq
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import take_quantized_rows
 from megatron.moe_patches.testing.reference import reference_permute_and_pad, reference_unpermute_and_unpad
 from megatron.moe_patches.testing.layer_harness import MoEShape, moe_config_kwargs
 
@@ -106,6 +108,78 @@ def test_static_padded_permute_matches_reference_and_replays_in_a_graph(tokens, 
     eager = step.permute(hidden2, probs2, routing2)
     for name in ("x_RH", "probs_R", "pad_offsets", "tokens_per_expert"):
         assert torch.equal(getattr(captured, name), getattr(eager, name)), name
+
+
+def _run_step(step, hidden, probs, routing, expert_out, dout):
+    """Forward through the step's permute and unpermute, backward: the permuted rows, the
+    unpermuted output, every gradient, and the FP8 copies attached to the permuted rows and
+    to the unpermute's row gradient (None where none)."""
+    x = hidden.clone().requires_grad_()
+    p = probs.clone().requires_grad_()
+    permuted = step.permute(x, p, routing)
+    attached = take_quantized_rows(permuted.x_RH)
+    y = expert_out.clone().requires_grad_()
+    seen = {}
+    y.register_hook(lambda g: seen.update(dy=(g.clone(), take_quantized_rows(g))))  # returns None: g unchanged
+    out = step.unpermute(y, permuted.row_id_map, permuted.pad_offsets, hidden.shape, routing)
+    loss = (out.float() * dout.float()).sum() + (permuted.x_RH.float() * expert_out.float()).sum()
+    loss.add((permuted.probs_R * 3).sum()).backward()
+    return permuted, attached, out, x.grad, p.grad, seen["dy"]
+
+
+@pytest.mark.parametrize("tokens, experts, topk, empty, hidden_size", [
+    pytest.param(1000, 64, 8, 5, 256, marks=pytest.mark.quick), (300, 8, 2, 2, 384), (512, 4, 1, 0, 2048)])
+def test_quantizing_static_permute_writes_te_rows_and_their_fp8_copy_in_one_pass(tokens, experts, topk, empty,
+                                                                                  hidden_size):
+    """With ``quantized_rows`` the static permute's rows, probs, unpermute and gradients equal
+    TE's (the same step without it) bit for bit; the FP8 copies attached to the permuted rows
+    and to the unpermute's row gradient equal ``quantize_rows`` of them bit for bit (padding
+    and tail rows: zeros, scale 1), a token with a zero prob included; a CUDA graph replays
+    it on another routing as eager computes it."""
+    align = 128
+    routing, probs = random_routing(tokens, experts, topk, seed=tokens, empty_experts=empty)
+    probs[0, routing[0].nonzero()[0, 0]] = 0.0  # TE writes this copy as a zero row
+    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16) * 3
+    hidden[1, :128] = 0.0  # an all-zero block: scale 1
+    rows = static_padded_rows(tokens, topk, experts, align)
+    expert_out = torch.randn(rows, hidden_size, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(hidden)
+    fused = _run_step(StaticPaddedPermute(align, topk, quantized_rows=True), hidden, probs, routing, expert_out, dout)
+    plain = _run_step(StaticPaddedPermute(align, topk), hidden, probs, routing, expert_out, dout)
+    (permuted, attached, out, dx, dp, (dy_rows, dy_attached)) = fused
+    (want, none_attached, want_out, want_dx, want_dp, (want_dy_rows, _)) = plain
+    assert none_attached is None and attached is not None and dy_attached is not None
+    for name in ("x_RH", "probs_R", "pad_offsets", "tokens_per_expert"):
+        assert torch.equal(getattr(permuted, name), getattr(want, name)), name
+    assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(dp, want_dp)
+    assert torch.equal(dy_rows, want_dy_rows)
+    for rows_bf16, (x8, scale_inv) in ((permuted.x_RH, attached), (dy_rows, dy_attached)):
+        want_x8, want_scale_inv = bq.quantize_rows(rows_bf16)
+        assert torch.equal(x8.view(torch.uint8), want_x8.view(torch.uint8))
+        assert torch.equal(scale_inv, want_scale_inv)
+
+    # graph: captured on this routing, replayed on another
+    step = StaticPaddedPermute(align, topk, quantized_rows=True)
+    s_x, s_map, s_probs = hidden.clone(), routing.clone(), probs.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step.permute(s_x, s_probs, s_map)  # Triton compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step.permute(s_x, s_probs, s_map)
+        captured_rows = take_quantized_rows(captured.x_RH)
+    routing2, probs2 = random_routing(tokens, experts, topk, seed=tokens + 1, empty_experts=empty)
+    hidden2 = torch.randn_like(hidden)
+    s_x.copy_(hidden2), s_map.copy_(routing2), s_probs.copy_(probs2)
+    graph.replay()
+    eager = step.permute(hidden2, probs2, routing2)
+    eager_rows = take_quantized_rows(eager.x_RH)
+    for name in ("x_RH", "probs_R", "pad_offsets", "tokens_per_expert"):
+        assert torch.equal(getattr(captured, name), getattr(eager, name)), name
+    assert torch.equal(captured_rows[0].view(torch.uint8), eager_rows[0].view(torch.uint8))
+    assert torch.equal(captured_rows[1], eager_rows[1])
 
 
 # With EP > 1 the zero rows sit between source-rank chunks inside an expert's group

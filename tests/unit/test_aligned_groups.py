@@ -17,6 +17,7 @@ from megatron.moe_patches.dispatch.permute_pad import StaticPaddedPermute, stati
 from megatron.moe_patches.experts import fp8_blockwise
 from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.experts.padding import NOBODY, PERMUTE, PaddingPlan
+from megatron.moe_patches.kernels import fp8_blockwise_quantize as bq
 
 from expert_shells import experts_shell
 from test_fp8_grouped_mm import fp8_config
@@ -178,3 +179,86 @@ def test_the_deep_gemm_probe_wants_device_side_ends(monkeypatch, module, found):
         assert cap.deep_gemm_grouped_fp8() is found
     finally:
         cap.deep_gemm_grouped_fp8.cache_clear()
+
+
+# --- the FP8 rows the dispatcher writes as it permutes (blockwise with bf16 wgrad) -----------
+
+
+@pytest.mark.parametrize("fp8_wgrad, quantized", [(False, True), (True, False)])
+def test_with_bf16_wgrad_the_static_permute_writes_the_fp8_rows_too(machine, fp8_wgrad, quantized, caplog):
+    """FP8 wgrad quantizes the rows along the tokens as well, in its own pass: only with bf16
+    wgrad do the experts read nothing of the rows but their 1x128 copy."""
+    config = blockwise_config()
+    config.fp8_wgrad = fp8_wgrad
+    plan = moe_plan.plan_for(config)
+    assert plan.padding == PaddingPlan(ALIGN, PERMUTE, static_rows=True, quantized_rows=quantized)
+    assert plan.exchange.quantized_rows == quantized
+    step = permute_pad_step(config, plan)
+    assert isinstance(step, StaticPaddedPermute) and step.quantized_rows == quantized
+    with caplog.at_level(logging.INFO, logger=moe_plan.__name__):
+        plan.log_choices()
+    said = any("writes their FP8 copy in the same pass" in r.getMessage() for r in caplog.records)
+    assert said == quantized
+
+
+def test_without_deep_gemm_nothing_is_quantized_by_the_permute(machine):
+    machine.setattr(cap, "deep_gemm_grouped_fp8", lambda: False)
+    config = blockwise_config()
+    config.fp8_wgrad = False
+    plan = moe_plan.plan_for(config)
+    assert not plan.padding.quantized_rows and not plan.exchange.quantized_rows
+
+
+def permute_pad_step(config, plan):
+    from megatron.moe_patches.dispatch.dispatchers import alltoall_permute_step
+
+    return alltoall_permute_step(config, plan.exchange)
+
+
+def test_attached_rows_are_taken_once_through_views_and_only_while_unwritten():
+    x = torch.randn(4, 256)
+    x8, scales = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
+    bq.attach_quantized_rows(x, x8, scales)
+    taken = bq.take_quantized_rows(x.view_as(x))  # autograd hands a Function's output on as a view
+    assert taken is not None and taken[0] is x8 and taken[1] is scales
+    assert bq.take_quantized_rows(x) is None  # taken once: the copy is not kept alive
+    bq.attach_quantized_rows(x, x8, scales)
+    x.mul_(2)  # written since: the copy is stale
+    assert bq.take_quantized_rows(x) is None
+    bq.attach_quantized_rows(x, x8, scales)
+    assert bq.take_quantized_rows(x[:2]) is None  # other rows than the copy's
+    assert bq.take_quantized_rows(torch.randn(4, 256)) is None  # nothing attached
+
+
+def test_the_quantizing_static_step_routes_through_its_functions(monkeypatch):
+    """Wiring only (the kernels are proven on the GPU): the permute attaches the FP8 rows its
+    Function returns, the unpermute runs the Function whose backward writes them."""
+    seen = {}
+
+    class FakePermute:
+        @staticmethod
+        def apply(x, probs, routing, rows, align, counts, offsets):
+            seen["permute"] = (rows, align, counts.tolist(), offsets.tolist())
+            return (x.new_zeros(rows, x.shape[1]), probs.new_zeros(rows), "row-map",
+                    torch.zeros(rows, x.shape[1], dtype=torch.float8_e4m3fn), torch.ones(rows, 1))
+
+    class FakeUnpermute:
+        @staticmethod
+        def apply(y, row_map, offsets, counts, align):
+            seen["unpermute"] = (row_map, counts.tolist(), align)
+            return "restored"
+
+    monkeypatch.setattr(permute_pad, "_PermuteQuantizing", FakePermute)
+    monkeypatch.setattr(permute_pad, "_UnpermuteQuantizingGrad", FakeUnpermute)
+    monkeypatch.setattr(permute_pad, "permute_into_rows", lambda *a: pytest.fail("TE's permute ran"))
+    routing = torch.zeros(3, 2, dtype=torch.bool)
+    routing[:, 0] = True
+    routing[0, 1] = True
+    step = StaticPaddedPermute(ALIGN, topk=1, quantized_rows=True)
+    permuted = step.permute(torch.ones(3, 128), torch.rand(3, 2), routing)
+    rows = 3 + 2 * (ALIGN - 1)
+    assert seen["permute"] == (rows, ALIGN, [3, 1], [0, ALIGN - 3])
+    taken = bq.take_quantized_rows(permuted.x_RH)
+    assert taken is not None and taken[0].shape == (rows, 128)
+    assert step.unpermute("y", "row-map", permuted.pad_offsets, (3, 128), routing) == "restored"
+    assert seen["unpermute"] == ("row-map", [3, 1], ALIGN)

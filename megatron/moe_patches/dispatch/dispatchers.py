@@ -39,10 +39,10 @@ def _exchange_plan(dispatcher):
 
 
 def _padded_step(config, choice):
-    """F1's padded permute: into a static row count at one rank (``static_pad_rows``), else
-    sized by the padded counts."""
+    """F1's padded permute: into a static row count at one rank (``static_pad_rows``, writing
+    the rows' FP8 copy too where ``quantized_rows``), else sized by the padded counts."""
     if choice.static_pad_rows:
-        return StaticPaddedPermute(choice.pad_align, config.moe_router_topk)
+        return StaticPaddedPermute(choice.pad_align, config.moe_router_topk, choice.quantized_rows)
     return PaddedPermute(choice.pad_align)
 
 

@@ -51,6 +51,9 @@ from megatron.core.transformer.moe.moe_utils import (
     unpermute,
 )
 
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import attach_quantized_rows
+from megatron.moe_patches.kernels.permute_quantize import gather_quantized
+
 
 def align_up(counts: torch.Tensor, align: int) -> torch.Tensor:
     """Each count rounded up to a multiple of ``align``."""
@@ -240,11 +243,17 @@ class StaticPaddedPermute(PaddedPermute):
     """One rank, device counts: rows grouped by expert, each group starting on an ``align``-row
     boundary, in a buffer of static size (``static_padded_rows``); the padding rows, the rows
     past the last group and their probs are zero, and the experts get the padded counts.
-    The routing and the unpermute are ``PaddedPermute``'s."""
+    The routing is ``PaddedPermute``'s.
 
-    def __init__(self, align: int, topk: int):
+    With ``quantized_rows`` (blockwise FP8 experts whose first GEMM reads 1x128 FP8 rows) the
+    permute also writes FC1's FP8 input, and the unpermute's backward FC2's FP8 output
+    gradient, in the pass that writes the bf16 rows (``kernels.permute_quantize``): attached
+    to those rows, the experts take them instead of quantizing again. Otherwise TE's kernels."""
+
+    def __init__(self, align: int, topk: int, quantized_rows: bool = False):
         super().__init__(align)
         self.topk = topk
+        self.quantized_rows = quantized_rows
 
     def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
         """One source rank: the experts' counts are the padded groups' sizes."""
@@ -254,9 +263,70 @@ class StaticPaddedPermute(PaddedPermute):
         """``num_out_tokens`` unused: the row count is static."""
         tokens, experts = routing_map_TE.shape
         rows = static_padded_rows(tokens, self.topk, experts, self.align)
-        padded_E, pad_offsets_E = static_padded_layout(routing_map_TE.sum(dim=0), self.align)
-        x_RH, row_id_map, probs_R = permute_into_rows(x_TH, probs_TE, routing_map_TE, rows, pad_offsets_E)
+        counts_E = routing_map_TE.sum(dim=0)
+        padded_E, pad_offsets_E = static_padded_layout(counts_E, self.align)
+        if self.quantized_rows:
+            x_RH, probs_R, row_id_map, x8_RH, scale_inv_RHt = _PermuteQuantizing.apply(
+                x_TH, probs_TE, routing_map_TE, rows, self.align, counts_E, pad_offsets_E)
+            attach_quantized_rows(x_RH, x8_RH, scale_inv_RHt)
+        else:
+            x_RH, row_id_map, probs_R = permute_into_rows(x_TH, probs_TE, routing_map_TE, rows, pad_offsets_E)
         return Permuted(x_RH, probs_R, row_id_map, pad_offsets_E, padded_E, routing_map_TE)
 
     def permute_local(self, x_TH, probs_TE, routing_map_TE, local: slice) -> Permuted:
         return self.permute(x_TH, probs_TE, routing_map_TE)  # one rank: ``local`` is every expert
+
+    def unpermute(self, y_RH, row_id_map, pad_offsets, restore_shape, routing_map_TE):
+        if not self.quantized_rows:
+            return super().unpermute(y_RH, row_id_map, pad_offsets, restore_shape, routing_map_TE)
+        return _UnpermuteQuantizingGrad.apply(y_RH, row_id_map, pad_offsets, routing_map_TE.sum(dim=0), self.align)
+
+
+def _te_row_id_map(routing_map_TE):
+    import transformer_engine.pytorch.triton.permutation as te_triton_permutation
+
+    tokens, experts = routing_map_TE.shape
+    return te_triton_permutation.make_row_id_map(routing_map_TE, tokens, experts)
+
+
+class _PermuteQuantizing(torch.autograd.Function):
+    """``StaticPaddedPermute.permute`` writing the FP8 rows too (``gather_quantized``); the
+    backward is TE's permute backward (the gradients' rows summed back per token)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, probs_TE, routing_map_TE, rows, align, counts_E, pad_offsets_E):
+        row_id_map = _te_row_id_map(routing_map_TE)
+        gathered = gather_quantized(x_TH, row_id_map, pad_offsets_E, counts_E, rows, align, probs_TE)
+        ctx.save_for_backward(row_id_map, pad_offsets_E)
+        ctx.sizes = (*routing_map_TE.shape, x_TH.shape[1])
+        ctx.mark_non_differentiable(row_id_map, gathered.x8_RH, gathered.scale_inv_RHt)
+        return gathered.x_RH, gathered.probs_R, row_id_map, gathered.x8_RH, gathered.scale_inv_RHt
+
+    @staticmethod
+    def backward(ctx, dx_RH, dprobs_R, *unused):
+        row_id_map, pad_offsets_E = ctx.saved_tensors
+        dprobs_R = dprobs_R.contiguous() if ctx.needs_input_grad[1] else None
+        dx_TH, dprobs_TE = torch.ops.te_moe.permute_mask_map_bwd(
+            dx_RH.contiguous(), dprobs_R, row_id_map, pad_offsets_E, *ctx.sizes)
+        return dx_TH, (dprobs_TE if dprobs_R is not None else None), None, None, None, None, None
+
+
+class _UnpermuteQuantizingGrad(torch.autograd.Function):
+    """``StaticPaddedPermute.unpermute`` (TE's unpermute: each token's rows summed, the
+    padding dropped) whose backward writes the gradient's rows with their FP8 copy
+    (``gather_quantized``), attached for FC2's dgrad."""
+
+    @staticmethod
+    def forward(ctx, y_RH, row_id_map, pad_offsets_E, counts_E, align):
+        tokens, experts, hidden = row_id_map.shape[0], pad_offsets_E.numel(), y_RH.shape[1]
+        ctx.save_for_backward(row_id_map, pad_offsets_E, counts_E)
+        ctx.rows, ctx.align = y_RH.shape[0], align
+        return torch.ops.te_moe.unpermute_mask_map_fwd(
+            y_RH.contiguous(), row_id_map, None, tokens, experts, hidden, pad_offsets_E)
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        row_id_map, pad_offsets_E, counts_E = ctx.saved_tensors
+        gathered = gather_quantized(dout_TH, row_id_map, pad_offsets_E, counts_E, ctx.rows, ctx.align)
+        attach_quantized_rows(gathered.x_RH, gathered.x8_RH, gathered.scale_inv_RHt)
+        return gathered.x_RH, None, None, None, None

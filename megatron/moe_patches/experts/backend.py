@@ -117,6 +117,13 @@ class ExpertBackend:
         (None, None) otherwise."""
         return None, None
 
+    @classmethod
+    def quantized_rows(cls, config) -> bool:
+        """Whether the experts read the 1x128 FP8 copy of the rows the dispatcher permutes
+        (FC1's input) and of FC2's output gradient, and nothing else of theirs in FP8: on
+        aligned groups the dispatcher then writes those copies as it moves the rows."""
+        return False
+
     # megatron-core's own methods (apply() binds the experts' spec to the patched class,
     # never this name).
     stock = TEGroupedMLP

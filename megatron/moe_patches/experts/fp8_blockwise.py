@@ -12,7 +12,9 @@ that waits for a whole tensor.
   with its two scales; or, where DeepGEMM is installed and the dispatcher pads each expert's
   rows to 128 (the plan decides: ``FP8GroupedMMBackend.aligned_groups``), DeepGEMM's grouped
   GEMM (``kernels.deep_gemm_grouped``), the same recipe 1.6-2x faster. The backend picks
-  one at construction (``grouped_nt_kernel``).
+  one at construction (``grouped_nt_kernel``). With bf16 wgrad, the FP8 rows the
+  dispatcher wrote as it permuted (FC1's input) and unpermuted (FC2's output gradient) are
+  taken where attached (``take_quantized_rows``) instead of quantizing again.
   dgrad reads the weights' transposed copy; a 128x128 tile covers the same elements either
   way, so both copies are quantized from one read, once per optimizer step (the FC's
   ``FP8WeightCache``, refreshed as for tensorwise).
@@ -31,7 +33,7 @@ import torch
 from megatron.moe_patches.kernels import deep_gemm_grouped
 from megatron.moe_patches.kernels import fp8_grouped_gemm as gemms
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import (
-    RowBlocks, WeightTiles, quantize_rows, quantize_rows_and_token_major, row_blocks)
+    RowBlocks, WeightTiles, quantize_rows, quantize_rows_and_token_major, row_blocks, take_quantized_rows)
 
 
 def triton_grouped_nt(a8_TK, b8_ENK, ends_E, scale_inv_a, scale_inv_b, blocks: RowBlocks):
@@ -72,7 +74,7 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
         if fp8_wgrad:
             x8_TI, sx_TIt, ctx.x_saved = quantize_rows_and_token_major(x_TI, ends_E, blocks)
         else:
-            x8_TI, sx_TIt = quantize_rows(x_TI)
+            x8_TI, sx_TIt = take_quantized_rows(x_TI) or quantize_rows(x_TI)
         y_TO = grouped_nt(x8_TI, weights.w8_ENK, ends_E, sx_TIt, weights.scale_inv_ENtKt, blocks).to(x_TI.dtype)
         ctx.save_for_backward(ends_E, None if fp8_wgrad else x_TI)
         ctx.blocks, ctx.weights, ctx.fp8_wgrad, ctx.w_dtype = blocks, weights, fp8_wgrad, w_EOI.dtype
@@ -88,7 +90,7 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
         if ctx.fp8_wgrad:
             dy8_TO, sdy_TOt, dy_tokens = quantize_rows_and_token_major(dy_TO, ends_E, ctx.blocks)
         elif ctx.needs_input_grad[0]:
-            dy8_TO, sdy_TOt = quantize_rows(dy_TO)
+            dy8_TO, sdy_TOt = take_quantized_rows(dy_TO) or quantize_rows(dy_TO)
         if ctx.needs_input_grad[0]:
             dx_TI = ctx.grouped_nt(dy8_TO, weights.w8_EKN, ends_E, sdy_TOt, weights.scale_inv_EKtNt,
                                    ctx.blocks).to(dy_TO.dtype)

@@ -441,6 +441,12 @@ class FP8GroupedMMBackend(GroupedMMBackend):
             return None, None
         return deep_gemm_grouped.GROUP_ALIGN, DEEP_GEMM_KERNELS
 
+    @classmethod
+    def quantized_rows(cls, config) -> bool:
+        """Blockwise with bf16 wgrad reads FC1's input and FC2's output gradient as 1x128 rows
+        only (FP8 wgrad quantizes them along the tokens too, in its own pass)."""
+        return config.fp8_recipe == "blockwise" and not config.fp8_wgrad
+
     def __init__(self, experts):
         super().__init__(experts)
         recipe = experts.config.fp8_recipe

@@ -10,7 +10,8 @@ multiple of and which stage pads:
   permute+pad), where TE has the kernel and the dispatcher is alltoall/allgather; with
   ``static_rows`` into a static row count with the counts on the device (one rank:
   graph-safe), for experts that take any rows but whose kernels need aligned groups
-  (``ExpertBackend.aligned_groups``);
+  (``ExpertBackend.aligned_groups``), and with ``quantized_rows`` writing the rows' FP8
+  copy in the same pass for experts that read it (``ExpertBackend.quantized_rows``);
 - ``experts``: the experts pad themselves (TE's Fp8Padding), as stock megatron-core does;
 - ``nobody``: bf16 needs no alignment, nor a backend that takes any row count.
 
@@ -38,6 +39,7 @@ class PaddingPlan:
     padded_by: str  # NOBODY | ROUTER | HYBRIDEP | PERMUTE | EXPERTS
     reason: Optional[str] = None  # EXPERTS: why the dispatcher does not pad instead (F1), else None
     static_rows: bool = False  # PERMUTE: a static row count, counts on the device (one rank)
+    quantized_rows: bool = False  # static_rows: the permute writes the rows' 1x128 FP8 copy too
 
     @property
     def dispatcher_pads(self) -> bool:

@@ -82,6 +82,37 @@ def quantize_rows(x_TK: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return x8_TK, scale_inv_TKt
 
 
+ATTACHED_ROWS = "_blockwise_fp8_rows"  # the attribute a row copy travels under
+
+
+class AttachedRows(NamedTuple):
+    data_TK: torch.Tensor  # E4M3 [T, K]
+    scale_inv_TKt: torch.Tensor  # float32 [T, K/128]
+    version: int  # the bf16 rows' version counter when the copy was written
+
+
+def attach_quantized_rows(x_TK: torch.Tensor, x8_TK: torch.Tensor, scale_inv_TKt: torch.Tensor) -> None:
+    """Hand ``quantize_rows(x_TK)``'s result, written by the kernel that wrote x_TK (the
+    dispatcher's permute), to the GEMM that reads x_TK next: it takes the copy instead of
+    quantizing x_TK again (``take_quantized_rows``)."""
+    setattr(x_TK, ATTACHED_ROWS, AttachedRows(x8_TK, scale_inv_TKt, x_TK._version))
+
+
+def take_quantized_rows(x_TK: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(x8_TK, scale_inv_TKt) attached to x_TK or to the tensor x_TK views (autograd hands a
+    Function's output on as a view), detached from it (taken once: the copy is not kept
+    alive); None where nothing is attached, or where x_TK is not the same rows or was
+    written since."""
+    holder = x_TK if hasattr(x_TK, ATTACHED_ROWS) else x_TK._base
+    attached = getattr(holder, ATTACHED_ROWS, None) if holder is not None else None
+    if attached is None:
+        return None
+    delattr(holder, ATTACHED_ROWS)
+    same_rows = (x_TK.data_ptr() == holder.data_ptr() and x_TK.shape == attached.data_TK.shape
+                 and x_TK.is_contiguous() and x_TK._version == attached.version)
+    return (attached.data_TK, attached.scale_inv_TKt) if same_rows else None
+
+
 class WeightTiles(NamedTuple):
     """One FC's weights in E4M3 with 128x128 scales, in the fprop and the dgrad layout."""
 
@@ -158,8 +189,9 @@ def quantize_rows_and_token_major(x_TC: torch.Tensor, ends_E: torch.Tensor, bloc
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels():
-    """The three kernels, compiled on first use (Triton is a GPU-side import)."""
+def jit_helpers():
+    """(scales, to_e4m3, magnitude): the recipe's arithmetic as Triton device functions, for
+    every kernel that quantizes 1x128 blocks (here and ``permute_quantize``)."""
     import triton
     import triton.language as tl
 
@@ -182,6 +214,17 @@ def _kernels():
     @triton.jit
     def magnitude(v):
         return tl.where(v != v, 0.0, tl.abs(v))  # NaN takes no part in an amax
+
+    return scales, to_e4m3, magnitude
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The three kernels, compiled on first use (Triton is a GPU-side import)."""
+    import triton
+    import triton.language as tl
+
+    scales, to_e4m3, magnitude = jit_helpers()
 
     @triton.jit
     def rows_kernel(x_ptr, q_ptr, s_ptr, T, K, VALUE_FOR_INF: tl.constexpr, BR: tl.constexpr, KB: tl.constexpr,
