@@ -156,20 +156,23 @@ def test_blockwise_backend_matches_stock_te_blockwise(single_gpu, monkeypatch, a
                                                              bias, fp8_wgrad, kernels])
     assert layer.experts.backend._recipe.quantize is bq.quantize_weight_tiles
     # DeepGEMM: the dispatcher pads each expert's rows to 128 into a static row count and,
-    # with bf16 wgrad, writes FC1's FP8 input and FC2's FP8 output gradient as it moves them
+    # with bf16 wgrad, writes FC1's FP8 input and FC2's FP8 output gradient as it moves them;
+    # with bf16 wgrad the GLU writes FC2's FP8 input and FC1's FP8 output gradient (any kernels)
     aligned = kernels == "deepgemm"
     assert layer.experts.padding_plan.static_rows == aligned
     assert layer.experts.backend._kernels == (fp8_blockwise.grouped_nt_kernel(aligned),)
     fused = aligned and not fp8_wgrad
     assert layer.experts.padding_plan.quantized_rows == fused
     assert getattr(layer.token_dispatcher.permute_step, "quantized_rows", False) == fused
+    assert layer.experts.backend.glu_quantized_rows == (not fp8_wgrad)
+    # per forward+backward: FC1's forward, FC2's forward, FC2's dgrad, FC1's dgrad
     found = [rows is not None for rows in taken]
-    if fused and not bias:  # FC1's forward and FC2's dgrad take them; FC2's forward and FC1's dgrad quantize
-        assert found and found.count(True) == found.count(False)
-    elif fused:  # FC2's bias add (in fp32) hands FC2 another gradient tensor: its dgrad quantizes
-        assert found and 3 * found.count(True) == found.count(False)
-    else:
-        assert True not in found
+    if fp8_wgrad:  # the token-major quantization runs instead
+        assert found == []
+    else:  # FC1's forward and FC2's dgrad read the dispatcher's rows, FC2's forward and FC1's
+        # dgrad the GLU's; a bias add (in fp32) hands the GEMM's backward another tensor
+        want = [fused, True, fused and not bias, not bias]
+        assert found and found == want * (len(found) // 4)
 
 
 @pytest.mark.parametrize("counts", [[0, 300, 1, 0, 83, 128], [1024] * 4])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.moe_patches.kernels.expert_amax import expert_amax_reference
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import quantize_rows, take_quantized_rows
 from megatron.moe_patches.kernels.weighted_glu import ExpertAmax, GLUSpec, megatron_weighted_glu, weighted_glu
 
 SWIGLU = GLUSpec("swiglu", 1.0, 0.0, None)
@@ -125,3 +126,37 @@ def test_kernels_gather_each_experts_amax_of_what_they_write(spec, rows, feature
     assert torch.equal(amax.output_E, expert_amax_reference(a, expert_T, experts))
     assert torch.equal(amax.input_grad_E, expert_amax_reference(dh, expert_T, experts))
     assert amax.output_E[1] == 0 and amax.input_grad_E[1] == 0 and amax.output_E[0] > 0
+
+
+@pytest.mark.parametrize("spec", [SWIGLU, QUICK_GEGLU], ids=lambda s: s.name)
+@pytest.mark.parametrize("rows, features", [(3000, 768), (700, 1408), (37, 384), (64, 128)])
+def test_kernels_write_the_fp8_rows_of_what_they_write(spec, rows, features):
+    """With quantized_rows: the activation and the input gradient unchanged, and the FP8
+    copies attached to them equal quantize_rows of them bit for bit (rows past rows_used:
+    zeros, scale 1; a row of a huge range and an all-zero block included)."""
+    torch.manual_seed(rows + features)
+    h = (torch.randn(rows, 2 * features, device="cuda") * 4).bfloat16()
+    h[: rows // 3] *= 64
+    h[1, :128] = 0.0
+    probs = torch.rand(rows, device="cuda")
+    rows_used = torch.tensor([rows - rows // 10], dtype=torch.int32, device="cuda")
+    da = torch.randn(rows, features, device="cuda").bfloat16()
+    results = []
+    for quantized in (True, False):
+        h_in, p_in = h.clone().requires_grad_(), probs.clone().requires_grad_()
+        a = weighted_glu(h_in, p_in, spec, rows_used=rows_used, quantized_rows=quantized)
+        a_rows = take_quantized_rows(a)
+        seen = {}
+        h_in.register_hook(lambda g: seen.update(dh_rows=take_quantized_rows(g)))  # returns None: g unchanged
+        a.backward(da)
+        results.append((a, h_in.grad, p_in.grad, a_rows, seen["dh_rows"]))
+    (a, dh, dp, a_rows, dh_rows), (a_plain, dh_plain, dp_plain, none_a, none_dh) = results
+    assert torch.equal(a, a_plain) and torch.equal(dh, dh_plain)
+    # each row's prob gradient: an fp32 sum over the features, which the other compiled kernel
+    # may add in another order (a few float32 ulps of the row's largest term)
+    torch.testing.assert_close(dp, dp_plain, rtol=2.0**-17, atol=2.0**-17 * dp_plain.abs().max().item())
+    assert none_a is None and none_dh is None and a_rows is not None and dh_rows is not None
+    for values, (q, scale_inv) in ((a, a_rows), (dh, dh_rows)):
+        want_q, want_scale_inv = quantize_rows(values)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scale_inv, want_scale_inv)

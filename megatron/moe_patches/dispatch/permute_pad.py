@@ -299,13 +299,17 @@ class _PermuteQuantizing(torch.autograd.Function):
         gathered = gather_quantized(x_TH, row_id_map, pad_offsets_E, counts_E, rows, align, probs_TE)
         ctx.save_for_backward(row_id_map, pad_offsets_E)
         ctx.sizes = (*routing_map_TE.shape, x_TH.shape[1])
+        ctx.rows_shape, ctx.rows_dtype = gathered.x_RH.shape, x_TH.dtype
         ctx.mark_non_differentiable(row_id_map, gathered.x8_RH, gathered.scale_inv_RHt)
+        ctx.set_materialize_grads(False)  # else autograd fills a zero gradient of the FP8 rows
         return gathered.x_RH, gathered.probs_R, row_id_map, gathered.x8_RH, gathered.scale_inv_RHt
 
     @staticmethod
     def backward(ctx, dx_RH, dprobs_R, *unused):
         row_id_map, pad_offsets_E = ctx.saved_tensors
-        dprobs_R = dprobs_R.contiguous() if ctx.needs_input_grad[1] else None
+        if dx_RH is None:  # the rows took no part in the loss
+            dx_RH = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=row_id_map.device)
+        dprobs_R = dprobs_R.contiguous() if dprobs_R is not None and ctx.needs_input_grad[1] else None
         dx_TH, dprobs_TE = torch.ops.te_moe.permute_mask_map_bwd(
             dx_RH.contiguous(), dprobs_R, row_id_map, pad_offsets_E, *ctx.sizes)
         return dx_TH, (dprobs_TE if dprobs_R is not None else None), None, None, None, None, None

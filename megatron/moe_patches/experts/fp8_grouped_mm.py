@@ -456,6 +456,8 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         self._caches = {linear: FP8WeightCache(self._recipe.quantize)
                         for linear in (experts.linear_fc1, experts.linear_fc2)}
         self._fp8_wgrad = experts.config.fp8_wgrad  # --no-fp8-wgrad: weight gradients in bf16
+        # blockwise with bf16 wgrad: the GLU writes FC2's FP8 input and FC1's FP8 output gradient
+        self.glu_quantized_rows = self.quantized_rows(experts.config)
         # the fprop/dgrad GEMM, for the groups the plan had the dispatcher align or not
         grouped_nt = self._recipe.grouped_nt
         self._kernels = () if grouped_nt is None else (grouped_nt(experts.padding_plan.static_rows),)

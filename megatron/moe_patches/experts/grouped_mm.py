@@ -120,19 +120,21 @@ def bf16_grouped_gemm(groups: RowGroups):
 
 
 def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec,
-                   glu_amax: Optional[ExpertAmax] = None) -> torch.Tensor:
+                   glu_amax: Optional[ExpertAmax] = None, glu_quantized_rows: bool = False) -> torch.Tensor:
     """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
     device offsets: the TE experts' math (FC2's bias is scaled by the router prob, as
     megatron-core's TEGroupedMLP applies it). ``fc1``/``fc2`` map [rows, in] rows grouped by
     ``groups`` to ([rows, out], the [E, out] bias or None) (bf16 or FP8 grouped GEMMs);
-    ``glu_amax``: where the GLU writes the per-expert amaxes the FP8 GEMMs scale by."""
+    ``glu_amax``: where the GLU writes the per-expert amaxes the FP8 GEMMs scale by;
+    ``glu_quantized_rows``: the GLU writes the 1x128 FP8 rows FC2 and FC1's dgrad read."""
     h_TF2, b1_EO = fc1(x_TH)
     # Biases are gathered per row in fp32: the add rounds once (as TE's GEMM epilogue does)
     # and each expert's bias gradient sums its rows in fp32 before the one cast back.
     if b1_EO is not None:
         h_TF2 = (h_TF2 + b1_EO.float()[groups.expert_T]).to(h_TF2.dtype)
     # Rows past the last group (F12's bound) stay zero from here on.
-    a_TF = weighted_glu(h_TF2, probs_T, glu, rows_used=groups.offsets_E[-1:], amax=glu_amax)
+    a_TF = weighted_glu(h_TF2, probs_T, glu, rows_used=groups.offsets_E[-1:], amax=glu_amax,
+                        quantized_rows=glu_quantized_rows)
     out_TH, b2_EO = fc2(a_TF.to(x_TH.dtype))
     out_TH = _ContiguousGrad.apply(out_TH)
     if b2_EO is not None:
@@ -192,9 +194,12 @@ class GroupedMMBackend(ExpertBackend):
         """Where the GLU writes per-expert amaxes for the GEMMs after it: none in bf16."""
         return None
 
+    glu_quantized_rows = False  # whether the GLU writes 1x128 FP8 rows for the GEMMs around it
+
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         groups = RowGroups(tokens_per_expert_E, x_TH.shape[0], x_TH.device)
         gemm = self.gemm(groups)
         fc1 = functools.partial(experts.linear_fc1, gemm=gemm)
         fc2 = functools.partial(experts.linear_fc2, gemm=gemm)
-        return grouped_mm_mlp(x_TH, groups, probs_T, fc1, fc2, self._glu, self.glu_amax(groups)), None
+        return grouped_mm_mlp(x_TH, groups, probs_T, fc1, fc2, self._glu, self.glu_amax(groups),
+                              self.glu_quantized_rows), None

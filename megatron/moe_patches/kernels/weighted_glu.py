@@ -18,6 +18,11 @@ amax of the activation it writes, and the backward that of the input gradient it
 the FP8 GEMMs that read them next need no amax pass of their own (the max is exact, so the
 scales are bitwise those of a separate pass).
 
+With ``quantized_rows`` (F10's blockwise experts with bf16 wgrad), the forward also writes
+the activation's 1x128 FP8 copy (FC2's input) and the backward the input gradient's (FC1's
+dgrad input), quantized from the bf16 values they store, as ``quantize_rows`` would: both
+are attached to the bf16 tensors (``attach_quantized_rows``) for the GEMM that reads them.
+
 ``rows_used`` (a 1-element device tensor): rows from it on are outside every expert group
 (F12's received tensors have a static bound, the grouped GEMMs leave those rows unwritten);
 both passes treat their inputs as zero there, so they come out zero, gradients included.
@@ -32,6 +37,8 @@ import torch
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import glu_activation
 from megatron.moe_patches.kernels.expert_amax import expert_amax_reference, triton_expert_max
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import attach_quantized_rows, jit_helpers
+from megatron.moe_patches.kernels.fp8_grouped_gemm import FP8_DTYPE, SCALE_BLOCK
 
 QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(1.702 x), as megatron-core defines it
 
@@ -73,11 +80,14 @@ class ExpertAmax(NamedTuple):
 
 
 def weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUSpec,
-                 rows_used: Optional[torch.Tensor] = None, amax: Optional[ExpertAmax] = None) -> torch.Tensor:
+                 rows_used: Optional[torch.Tensor] = None, amax: Optional[ExpertAmax] = None,
+                 quantized_rows: bool = False) -> torch.Tensor:
     """[rows, 2F] FC1 output and [rows] router probs -> [rows, F] weighted activation; with
-    ``amax``, its per-expert amaxes are written too (the input gradient's in the backward)."""
+    ``amax``, its per-expert amaxes are written too (the input gradient's in the backward);
+    with ``quantized_rows`` its 1x128 FP8 copy (the input gradient's in the backward), where
+    the Triton kernels run."""
     if h_TF2.is_cuda and cap.triton_available():
-        return _WeightedGLU.apply(h_TF2, probs_T, spec, rows_used, amax)
+        return _WeightedGLU.apply(h_TF2, probs_T, spec, rows_used, amax, quantized_rows)
     if rows_used is not None:
         inside_T = torch.arange(h_TF2.shape[0], device=h_TF2.device) < rows_used
         h_TF2 = torch.where(inside_T[:, None], h_TF2, 0)
@@ -117,20 +127,23 @@ def megatron_weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUS
 
 class _WeightedGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TF2, probs_T, spec: GLUSpec, rows_used, amax: Optional[ExpertAmax]):
+    def forward(ctx, h_TF2, probs_T, spec: GLUSpec, rows_used, amax: Optional[ExpertAmax], quantized_rows: bool):
         h_TF2 = h_TF2.contiguous()
         probs_T = probs_T.contiguous()
         rows, features = h_TF2.shape[0], h_TF2.shape[1] // 2
         a_TF = torch.empty((rows, features), dtype=h_TF2.dtype, device=h_TF2.device)
+        a8 = _FP8Rows.empty(a_TF) if quantized_rows else None
         if rows and features:
             forward_kernel, _ = _triton_kernels()
             block_rows, block_features = _blocks(features)
             grid = (-(-rows // block_rows), -(-features // block_features))
             forward_kernel[grid](h_TF2, probs_T, a_TF, *_row_limits(rows, rows_used), features, *_constants(spec),
-                                 *_amax_arguments(amax, "output_E"),
+                                 *_amax_arguments(amax, "output_E"), *_FP8Rows.arguments(a8, a_TF),
                                  BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
+        if a8 is not None:
+            attach_quantized_rows(a_TF, *a8)
         ctx.save_for_backward(h_TF2, probs_T)
-        ctx.spec, ctx.rows_used, ctx.amax = spec, rows_used, amax
+        ctx.spec, ctx.rows_used, ctx.amax, ctx.quantized_rows = spec, rows_used, amax, quantized_rows
         return a_TF
 
     @staticmethod
@@ -140,16 +153,43 @@ class _WeightedGLU(torch.autograd.Function):
         rows, features = da_TF.shape
         dh_TF2 = torch.empty_like(h_TF2)
         dprobs_T = torch.empty_like(probs_T)
+        dh8 = _FP8Rows.empty(dh_TF2) if ctx.quantized_rows else None
         if rows and features:
             _, backward_kernel = _triton_kernels()
             block_rows, block_features = _blocks(features)
             backward_kernel[(-(-rows // block_rows),)](
                 da_TF, h_TF2, probs_T, dh_TF2, dprobs_T, *_row_limits(rows, ctx.rows_used), features,
-                *_constants(ctx.spec), *_amax_arguments(ctx.amax, "input_grad_E"),
+                *_constants(ctx.spec), *_amax_arguments(ctx.amax, "input_grad_E"), *_FP8Rows.arguments(dh8, dh_TF2),
                 BLOCK_R=block_rows, BLOCK_F=block_features, num_warps=4)
         elif rows:
             dprobs_T.zero_()
-        return dh_TF2, dprobs_T, None, None, None
+        if dh8 is not None:
+            attach_quantized_rows(dh_TF2, *dh8)
+        return dh_TF2, dprobs_T, None, None, None, None
+
+
+class _FP8Rows(NamedTuple):
+    """A 1x128 FP8 copy the kernels write beside a bf16 output (``quantize_rows``' layout)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    @classmethod
+    def empty(cls, like: torch.Tensor) -> "_FP8Rows":
+        rows, columns = like.shape
+        if columns % SCALE_BLOCK:
+            raise ValueError(f"{columns} features are not whole {SCALE_BLOCK}-element blocks: blockwise FP8 "
+                             "needs multiples of 128")
+        return cls(torch.empty((rows, columns), dtype=FP8_DTYPE, device=like.device),
+                   torch.empty((rows, columns // SCALE_BLOCK), dtype=torch.float32, device=like.device))
+
+    @staticmethod
+    def arguments(rows: Optional["_FP8Rows"], like: torch.Tensor):
+        """The kernels' (q_ptr, s_ptr, VALUE_FOR_INF, QUANT) arguments; without a copy the
+        branch is compiled out and ``like`` stands in for the pointers."""
+        if rows is None:
+            return like, like, 0.0, False
+        return rows.data, rows.scale_inv, torch.finfo(like.dtype).max, True
 
 
 def _amax_arguments(amax: Optional[ExpertAmax], field: str):
@@ -183,11 +223,30 @@ def _triton_kernels():
     import triton.language as tl
 
     expert_max = triton_expert_max()
+    scales, to_e4m3, magnitude = jit_helpers()
+
+    @triton.jit
+    def store_quantized(q_ptr, s_ptr, v, r, rows, first_column, end_column, columns, VALUE_FOR_INF: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+        # v [BLOCK_R, BLOCK_F] (bf16, the stored values) at columns first_column + [0, BLOCK_F)
+        # (those before end_column) of rows r of a [rows, columns] tensor: its 1x128 E4M3 copy
+        # and scales, as quantize_rows writes them
+        v3 = tl.reshape(v.to(tl.float32), (BLOCK_R, BLOCK_F // 128, 128))
+        scale, scale_inv = scales(tl.max(magnitude(v3), axis=2), VALUE_FOR_INF)
+        q = tl.reshape(to_e4m3(v3 * scale[:, :, None]), (BLOCK_R, BLOCK_F))
+        f = first_column + tl.arange(0, BLOCK_F)
+        row_in = r < rows
+        tl.store(q_ptr + r[:, None].to(tl.int64) * columns + f[None, :], q,
+                 mask=row_in[:, None] & (f[None, :] < end_column))
+        kb = first_column // 128 + tl.arange(0, BLOCK_F // 128)
+        tl.store(s_ptr + r[:, None].to(tl.int64) * (columns // 128) + kb[None, :], scale_inv,
+                 mask=row_in[:, None] & (kb[None, :] < end_column // 128))
 
     @triton.jit
     def forward_kernel(h_ptr, p_ptr, a_ptr, rows, used_ptr, HAS_USED: tl.constexpr, features, alpha, offset,
-                       clamp, HAS_CLAMP: tl.constexpr, expert_ptr, amax_ptr, AMAX: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                       clamp, HAS_CLAMP: tl.constexpr, expert_ptr, amax_ptr, AMAX: tl.constexpr, q_ptr, s_ptr,
+                       VALUE_FOR_INF: tl.constexpr, QUANT: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_F: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         inside = (r[:, None] < rows) & (f[None, :] < features)
@@ -204,6 +263,9 @@ def _triton_kernels():
         p = tl.load(p_ptr + r, mask=used, other=0.0).to(tl.float32)
         a = (x1 * tl.sigmoid(alpha * x1) * (x2 + offset) * p[:, None]).to(a_ptr.dtype.element_ty)
         tl.store(a_ptr + r[:, None].to(tl.int64) * features + f[None, :], a, mask=inside)
+        if QUANT:
+            store_quantized(q_ptr, s_ptr, a, r, rows, tl.program_id(1) * BLOCK_F, features, features,
+                            VALUE_FOR_INF, BLOCK_R, BLOCK_F)
         if AMAX:  # of the stored values; masked elements are zero
             row_in = r < rows
             expert = tl.load(expert_ptr + r, mask=row_in, other=-1)
@@ -212,7 +274,8 @@ def _triton_kernels():
     @triton.jit
     def backward_kernel(da_ptr, h_ptr, p_ptr, dh_ptr, dp_ptr, rows, used_ptr, HAS_USED: tl.constexpr, features,
                         alpha, offset, clamp, HAS_CLAMP: tl.constexpr, expert_ptr, amax_ptr, AMAX: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                        q_ptr, s_ptr, VALUE_FOR_INF: tl.constexpr, QUANT: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_F: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         if HAS_USED:  # rows past it read as zero
             used = r < tl.load(used_ptr)
@@ -249,6 +312,11 @@ def _triton_kernels():
             d2 = d2.to(dh_ptr.dtype.element_ty)
             tl.store(dh_ptr + gate_at, d1, mask=inside)
             tl.store(dh_ptr + gate_at + features, d2, mask=inside)
+            if QUANT:  # both halves: their 128-column blocks start on block boundaries (F % 128 == 0)
+                store_quantized(q_ptr, s_ptr, d1, r, rows, start, features, 2 * features,
+                                VALUE_FOR_INF, BLOCK_R, BLOCK_F)
+                store_quantized(q_ptr, s_ptr, d2, r, rows, features + start, 2 * features, 2 * features,
+                                VALUE_FOR_INF, BLOCK_R, BLOCK_F)
             if AMAX:
                 peak = tl.maximum(peak, tl.maximum(tl.max(tl.abs(d1.to(tl.float32)), axis=1),
                                                    tl.max(tl.abs(d2.to(tl.float32)), axis=1)))
