@@ -309,7 +309,9 @@ SERIES: Tuple[Feature, ...] = (
         "GEMMs of kernels/fp8_grouped_gemm.py with single-pass quantizers (experts/fp8_blockwise.py); "
         "where DeepGEMM is installed, blockwise fprop/dgrad on its grouped GEMM (kernels/deep_gemm_grouped.py) "
         "with the dispatcher padding each expert's rows to 128 into a static row count "
-        "(dispatch/permute_pad.py StaticPaddedPermute, one rank).",
+        "(dispatch/permute_pad.py StaticPaddedPermute, one rank); with --no-fp8-wgrad the permute and the "
+        "unpermute's backward (kernels/permute_quantize.py) and the weighted GLU (kernels/weighted_glu.py) write "
+        "the GEMMs' 1x128 FP8 rows beside the bf16 ones.",
         fields=(),
         upstream=("none: this project's backend (the FP8 counterpart of F8's grouped_mm)",),
         te_requirement="none (torch._scaled_grouped_mm on sm90, Triton); blockwise on DeepGEMM: TE's permute "
