@@ -91,23 +91,34 @@ def test_static_padded_permute_matches_reference_and_replays_in_a_graph(tokens, 
     assert torch.equal(p.grad, torch.where(routing, 3.0, 0.0).to(p.grad.dtype))
     assert torch.equal(step.align_splits(None, routing, routing.sum(0)), permuted.tokens_per_expert)
 
-    # graph: captured on this routing, replayed on another
+    check_graph_replays_on_another_routing(step, hidden, routing, probs, seed=tokens + 1, empty=empty)
+
+
+def check_graph_replays_on_another_routing(step, hidden, routing, probs, seed, empty):
+    """The step's permute captured as a CUDA graph on this routing and replayed on another
+    equals the eager permute of the other, the attached FP8 rows (if any) included."""
     s_x, s_map, s_probs = hidden.clone(), routing.clone(), probs.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step.permute(s_x, s_probs, s_map)  # Triton compiles outside the capture
+        take_quantized_rows(step.permute(s_x, s_probs, s_map).x_RH)  # Triton compiles outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step.permute(s_x, s_probs, s_map)
-    routing2, probs2 = random_routing(tokens, experts, topk, seed=tokens + 1, empty_experts=empty)
+        captured_rows = take_quantized_rows(captured.x_RH)
+    routing2, probs2 = random_routing(*routing.shape, int(routing[0].sum()), seed=seed, empty_experts=empty)
     hidden2 = torch.randn_like(hidden)
     s_x.copy_(hidden2), s_map.copy_(routing2), s_probs.copy_(probs2)
     graph.replay()
     eager = step.permute(hidden2, probs2, routing2)
+    eager_rows = take_quantized_rows(eager.x_RH)
     for name in ("x_RH", "probs_R", "pad_offsets", "tokens_per_expert"):
         assert torch.equal(getattr(captured, name), getattr(eager, name)), name
+    assert (captured_rows is None) == (eager_rows is None)
+    if eager_rows is not None:
+        assert torch.equal(captured_rows[0].view(torch.uint8), eager_rows[0].view(torch.uint8))
+        assert torch.equal(captured_rows[1], eager_rows[1])
 
 
 def _run_step(step, hidden, probs, routing, expert_out, dout):
@@ -158,28 +169,8 @@ def test_quantizing_static_permute_writes_te_rows_and_their_fp8_copy_in_one_pass
         assert torch.equal(x8.view(torch.uint8), want_x8.view(torch.uint8))
         assert torch.equal(scale_inv, want_scale_inv)
 
-    # graph: captured on this routing, replayed on another
     step = StaticPaddedPermute(align, topk, quantized_rows=True)
-    s_x, s_map, s_probs = hidden.clone(), routing.clone(), probs.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step.permute(s_x, s_probs, s_map)  # Triton compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step.permute(s_x, s_probs, s_map)
-        captured_rows = take_quantized_rows(captured.x_RH)
-    routing2, probs2 = random_routing(tokens, experts, topk, seed=tokens + 1, empty_experts=empty)
-    hidden2 = torch.randn_like(hidden)
-    s_x.copy_(hidden2), s_map.copy_(routing2), s_probs.copy_(probs2)
-    graph.replay()
-    eager = step.permute(hidden2, probs2, routing2)
-    eager_rows = take_quantized_rows(eager.x_RH)
-    for name in ("x_RH", "probs_R", "pad_offsets", "tokens_per_expert"):
-        assert torch.equal(getattr(captured, name), getattr(eager, name)), name
-    assert torch.equal(captured_rows[0].view(torch.uint8), eager_rows[0].view(torch.uint8))
-    assert torch.equal(captured_rows[1], eager_rows[1])
+    check_graph_replays_on_another_routing(step, hidden, routing, probs, seed=tokens + 1, empty=empty)
 
 
 # With EP > 1 the zero rows sit between source-rank chunks inside an expert's group
