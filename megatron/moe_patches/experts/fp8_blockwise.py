@@ -12,9 +12,10 @@ that waits for a whole tensor.
   with its two scales; or, where DeepGEMM is installed and the dispatcher pads each expert's
   rows to 128 (the plan decides: ``FP8GroupedMMBackend.aligned_groups``), DeepGEMM's grouped
   GEMM (``kernels.deep_gemm_grouped``), the same recipe 1.6-2x faster. The backend picks
-  one at construction (``grouped_nt_kernel``). With bf16 wgrad, the FP8 rows the
-  dispatcher wrote as it permuted (FC1's input) and unpermuted (FC2's output gradient) are
-  taken where attached (``take_quantized_rows``) instead of quantizing again.
+  one at construction (``grouped_nt_kernel``). With bf16 wgrad, each GEMM takes the FP8 rows
+  written beside its bf16 input where that moved (``take_quantized_rows``: the dispatcher's
+  permute for FC1's input and its unpermute's backward for FC2's output gradient, the
+  weighted GLU for FC2's input and FC1's output gradient) instead of quantizing again.
   dgrad reads the weights' transposed copy; a 128x128 tile covers the same elements either
   way, so both copies are quantized from one read, once per optimizer step (the FC's
   ``FP8WeightCache``, refreshed as for tensorwise).

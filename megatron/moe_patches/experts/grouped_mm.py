@@ -163,6 +163,7 @@ class GroupedMMBackend(ExpertBackend):
     holds_single_grouped_params = True
     takes_device_counts = True
     linear_step = GroupedGemmLinear
+    glu_quantized_rows = False  # whether the GLU writes 1x128 FP8 rows for the GEMMs around it
 
     @classmethod
     def unavailable(cls, config) -> Optional[str]:
@@ -193,8 +194,6 @@ class GroupedMMBackend(ExpertBackend):
     def glu_amax(self, groups: RowGroups) -> Optional[ExpertAmax]:
         """Where the GLU writes per-expert amaxes for the GEMMs after it: none in bf16."""
         return None
-
-    glu_quantized_rows = False  # whether the GLU writes 1x128 FP8 rows for the GEMMs around it
 
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         groups = RowGroups(tokens_per_expert_E, x_TH.shape[0], x_TH.device)
