@@ -65,6 +65,14 @@ def _check_blocks(size: int, what: str):
                          f"{SCALE_BLOCK}-element blocks")
 
 
+def empty_rows(rows: int, K: int, device, what: str = "the row length K") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (x8 [rows, K] E4M3, scale_inv [rows, K/128] float32): the layout every
+    1x128 row copy is written in (``quantize_rows``, the permute's and the GLU's)."""
+    _check_blocks(K, what)
+    return (torch.empty((rows, K), dtype=FP8_DTYPE, device=device),
+            torch.empty((rows, K // SCALE_BLOCK), dtype=torch.float32, device=device))
+
+
 def quantize_rows(x_TK: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(x8_TK, scale_inv_TKt): 1x128 blocks along the last dimension."""
     T, K = x_TK.shape
@@ -72,8 +80,7 @@ def quantize_rows(x_TK: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if not x_TK.is_cuda:
         return fs.quantize_1x128(x_TK)
     x_TK = x_TK.contiguous()
-    x8_TK = torch.empty((T, K), dtype=FP8_DTYPE, device=x_TK.device)
-    scale_inv_TKt = torch.empty((T, K // SCALE_BLOCK), dtype=torch.float32, device=x_TK.device)
+    x8_TK, scale_inv_TKt = empty_rows(T, K, x_TK.device)
     if T:
         rows_kernel, _, _ = _kernels()
         rows_kernel[(-(-T // ROW_TILE),)](

@@ -22,8 +22,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from megatron.moe_patches.kernels.fp8_blockwise_quantize import jit_helpers
-from megatron.moe_patches.kernels.fp8_grouped_gemm import FP8_DTYPE, SCALE_BLOCK
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import empty_rows, jit_helpers
+from megatron.moe_patches.kernels.fp8_grouped_gemm import SCALE_BLOCK
 
 
 class GatheredRows(NamedTuple):
@@ -41,15 +41,10 @@ def gather_quantized(x_TH: torch.Tensor, row_id_map: torch.Tensor, pad_offsets_E
     each group padded to ``align``; ``probs_TE``: permuted alongside where given."""
     T, H = x_TH.shape
     E = pad_offsets_E.numel()
-    if H % SCALE_BLOCK:
-        raise ValueError(f"the hidden size {H} is not a multiple of {SCALE_BLOCK}: blockwise FP8 needs whole "
-                         f"{SCALE_BLOCK}-element blocks")
     x_TH = x_TH.contiguous()
     device = x_TH.device
     out = GatheredRows(
-        torch.empty((rows, H), dtype=x_TH.dtype, device=device),
-        torch.empty((rows, H), dtype=FP8_DTYPE, device=device),
-        torch.empty((rows, H // SCALE_BLOCK), dtype=torch.float32, device=device),
+        torch.empty((rows, H), dtype=x_TH.dtype, device=device), *empty_rows(rows, H, device, "the hidden size"),
         None if probs_TE is None else torch.empty(rows, dtype=probs_TE.dtype, device=device))
     if rows == 0:
         return out

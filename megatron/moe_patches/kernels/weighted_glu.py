@@ -37,8 +37,7 @@ import torch
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import glu_activation
 from megatron.moe_patches.kernels.expert_amax import expert_amax_reference, triton_expert_max
-from megatron.moe_patches.kernels.fp8_blockwise_quantize import attach_quantized_rows, jit_helpers
-from megatron.moe_patches.kernels.fp8_grouped_gemm import FP8_DTYPE, SCALE_BLOCK
+from megatron.moe_patches.kernels.fp8_blockwise_quantize import attach_quantized_rows, empty_rows, jit_helpers
 
 QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(1.702 x), as megatron-core defines it
 
@@ -176,12 +175,7 @@ class _FP8Rows(NamedTuple):
 
     @classmethod
     def empty(cls, like: torch.Tensor) -> "_FP8Rows":
-        rows, columns = like.shape
-        if columns % SCALE_BLOCK:
-            raise ValueError(f"{columns} features are not whole {SCALE_BLOCK}-element blocks: blockwise FP8 "
-                             "needs multiples of 128")
-        return cls(torch.empty((rows, columns), dtype=FP8_DTYPE, device=like.device),
-                   torch.empty((rows, columns // SCALE_BLOCK), dtype=torch.float32, device=like.device))
+        return cls(*empty_rows(*like.shape, like.device, "the features"))
 
     @staticmethod
     def arguments(rows: Optional["_FP8Rows"], like: torch.Tensor):
