@@ -70,15 +70,21 @@ VARIANTS = {
     "graphed": FAST + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "moe",
                        "--cuda-graph-warmup-steps", str(GRAPH_WARMUP)],
 }
-PRECISIONS = {"bf16": [], "fp8": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]}
+PRECISIONS = {
+    "bf16": [],
+    "fp8": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+    "fp8-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+    "fp8-blockwise-bf16-wgrad": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--no-fp8-wgrad"],
+}
 LOOPS = ("megatron-lm", "driver")
 PEAK_LINE = "benchmark peak allocated MiB:"
 # Kernel families of the profiled iteration, first match wins (lower-case substrings).
 FAMILIES = (
     ("attention", ("flash", "fmha", "cudnn", "attn")),
-    ("expert GEMMs", ("grouped", "groupproblemshape", "_scaled_mm", "f8f8")),
+    ("expert GEMMs", ("grouped", "groupproblemshape", "_scaled_mm", "f8f8", "deep_gemm")),
     ("fp32 grad accumulation", ("cudafunctor_add<float>",)),
     ("optimizer", ("multi_tensor", "adam", "l2norm", "scale_kernel")),
+    ("FP8 quantization", ("cast_transpose", "quantize", "weight_tiles_kernel", "rows_kernel", "both_kernel", "amax")),
     ("other GEMMs", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("permute / routing", ("permute", "sort", "topk", "router", "histogram", "cumsum", "scatter", "gather",
                            "index")),
