@@ -70,11 +70,12 @@ VARIANTS = {
     "graphed": FAST + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "moe",
                        "--cuda-graph-warmup-steps", str(GRAPH_WARMUP)],
 }
+BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
 PRECISIONS = {
     "bf16": [],
     "fp8": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
-    "fp8-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
-    "fp8-blockwise-bf16-wgrad": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--no-fp8-wgrad"],
+    "fp8-blockwise": BLOCKWISE,
+    "fp8-blockwise-bf16-wgrad": BLOCKWISE + ["--no-fp8-wgrad"],
 }
 LOOPS = ("megatron-lm", "driver")
 PEAK_LINE = "benchmark peak allocated MiB:"
