@@ -10,7 +10,10 @@ Variants:
 - ``eager``: the fast path (device token counts with the grouped_mm / fp8_grouped_mm expert
   backends, one [E, out, in] weight per FC), no graphs;
 - ``graphed``: the fast path with the MoE layers captured as CUDA graphs
-  (``--cuda-graph-scope moe``).
+  (``--cuda-graph-scope moe``);
+- ``graphed-fused``: ``graphed`` with Megatron-LM's default gradient-accumulation fusion
+  (F13: weight gradients added into the fp32 main grads by the GEMMs; the other variants pass
+  ``--no-gradient-accumulation-fusion``, which Megatron-LM as shipped needs without APEX).
 
 Per run it writes one JSON line: median ms per iteration over the iterations after the
 warm-up (graphs are captured by then), tokens/s, TFLOP/s per GPU (Megatron-LM's own count,
@@ -57,18 +60,22 @@ SLICE = [
     "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
     "--lr-decay-iters", "100", "--use-distributed-optimizer", "--transformer-impl", "transformer_engine",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--split", "100,0,0",
-    "--no-gradient-accumulation-fusion", "--log-interval", "1", "--log-throughput", "--timing-log-level", "1",
+    "--log-interval", "1", "--log-throughput", "--timing-log-level", "1",
     "--eval-iters", "0", "--seed", "1234", "--distributed-timeout-minutes", "10",
 ]
 # Megatron-LM evaluates every --eval-interval steps; the driver only trains (and refuses the flag).
 LOOP_FLAGS = {"megatron-lm": ["--eval-interval", "100000"], "driver": []}
 FAST = ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight"]
 GRAPH_WARMUP = 2
+NO_FUSION = ["--no-gradient-accumulation-fusion"]  # Megatron-LM as shipped needs it without APEX
+GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "moe",
+          "--cuda-graph-warmup-steps", str(GRAPH_WARMUP)]
 VARIANTS = {
-    "stock": [],
-    "eager": FAST,
-    "graphed": FAST + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "moe",
-                       "--cuda-graph-warmup-steps", str(GRAPH_WARMUP)],
+    "stock": NO_FUSION,
+    "eager": FAST + NO_FUSION,
+    "graphed": FAST + GRAPHS + NO_FUSION,
+    # F13: Megatron-LM's default gradient-accumulation fusion, without APEX
+    "graphed-fused": FAST + GRAPHS,
 }
 BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
 PRECISIONS = {
@@ -221,17 +228,17 @@ def one(loop, variant, precision, iters, global_batch, warmup, device, extra=())
     line.update(parse(output, warmup))
     if line["ms"]:
         line["tokens_per_s"] = round(global_batch * SEQ / (line["ms"] / 1000.0))
-    if variant == "graphed":
+    if variant.startswith("graphed"):
         line["captured_moe_layers"] = captured(output)
     return line
 
 
-def profiled(precision, iters, global_batch, device, start):
+def profiled(variant, precision, iters, global_batch, device, start):
     trace_dir = tempfile.mkdtemp(prefix="moe-model-trace-")
     extra = ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start),
              "--profile-step-end", str(start + 1), "--tensorboard-dir", trace_dir]
-    code, output = launch("megatron-lm", "graphed", precision, iters, global_batch, extra)
-    line = {"benchmark": "moe_model_profile", "device": device, "loop": "megatron-lm", "variant": "graphed",
+    code, output = launch("megatron-lm", variant, precision, iters, global_batch, extra)
+    line = {"benchmark": "moe_model_profile", "device": device, "loop": "megatron-lm", "variant": variant,
             "precision": precision, "profiled_iteration": start, "returncode": code}
     if code != 0:
         line["error"] = output[-3000:]
@@ -284,7 +291,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="training iterations per run")
     parser.add_argument("--global-batch-size", type=int, default=4,
                         help="sequences per step (micro-batch 1: this many micro-batches)")
-    parser.add_argument("--profile", action="store_true", help="also profile one graphed Megatron-LM iteration")
+    parser.add_argument("--profile", action="store_true", help="also profile one Megatron-LM iteration")
+    parser.add_argument("--profile-variant", default="graphed-fused", choices=VARIANTS,
+                        help="the variant --profile runs")
     parser.add_argument("--extra", default="", help="more flags for every run (e.g. to find a loop's overheads)")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     parser.add_argument("--chart", nargs=2, metavar=("RESULTS", "PNG"), help="only draw RESULTS' chart into PNG")
@@ -308,7 +317,8 @@ def main() -> None:
                 emit(line, args.out)
     if args.profile:
         for precision in args.precisions.split(","):
-            emit(profiled(precision, warmup + 4, args.global_batch_size, device, warmup + 2), args.out)
+            emit(profiled(args.profile_variant, precision, warmup + 4, args.global_batch_size, device, warmup + 2),
+                 args.out)
 
 
 def emit(line, out):

@@ -9,6 +9,8 @@ Both are read from the config's plan (``plan.plan_for``), which decides them:
 - ``self.backend``: ``te`` (megatron-core's path), ``grouped_mm`` (F8, sync-free),
   ``fp8_grouped_mm`` (F10) or ``op_fuser`` (F4). It owns ``forward``, ``backward_dw``
   and the sharded-state-dict hook.
+- ``self.wgrad_into_main_grad`` (F13): under gradient_accumulation_fusion the backend adds
+  the weight gradients into DDP's main_grad in the GEMM.
 - Single grouped parameters (F5) are refused here, by the plan's one rule, when the
   chosen backend cannot hold them.
 
@@ -49,6 +51,7 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
         self.padding_plan = plan.padding
         if hasattr(self, "quantization_padding"):  # FP8/FP4: stock built TE's padding modules
             self._fit_quantization_padding(num_local_experts)
+        self.wgrad_into_main_grad = plan.wgrad_into_main_grad  # F13, read by the backend
         self.backend = plan.backend(self)
 
     def _fit_quantization_padding(self, num_local_experts):

@@ -29,6 +29,8 @@ class _Installed:
     patched: object
 
 
+_ABSENT = object()  # the stock value of a binding whose name megatron-core leaves undefined
+
 # feature id -> its installed bindings, in install order
 _applied: Dict[str, List[_Installed]] = {}
 
@@ -71,7 +73,13 @@ def _install(binding: Binding) -> _Installed:
     owner = _owner(binding)
     if owner is None:
         return _Installed(binding, None, None)
-    stock = owner.__dict__[binding.attribute] if isinstance(owner, type) else getattr(owner, binding.attribute)
+    if binding.absent_in_stock:
+        if binding.attribute in vars(owner):
+            raise RuntimeError(f"{binding.owner}.{binding.attribute} exists, but the registry says megatron-core "
+                               "defines it only where the feature is native (which the feature's probe denies)")
+        stock = _ABSENT
+    else:
+        stock = owner.__dict__[binding.attribute] if isinstance(owner, type) else getattr(owner, binding.attribute)
     patched = _resolve(binding.patched)
     if binding.factory:
         patched = patched(owner, stock)
@@ -91,7 +99,9 @@ def _uninstall(installed: _Installed, stock_of: Dict[int, object]) -> None:
         return
     current = getattr(owner, installed.binding.attribute, None)
     stock = installed.stock if current is installed.patched and installed.patched is not None else stock_of.get(id(current))
-    if stock is not None:
+    if stock is _ABSENT:
+        delattr(owner, installed.binding.attribute)
+    elif stock is not None:
         setattr(owner, installed.binding.attribute, stock)
     if installed.patched is not None:
         cap.note_reverted(installed.patched)

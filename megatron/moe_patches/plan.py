@@ -429,6 +429,8 @@ class MoEPlan:
     ep_size: int  # the parallel sizes the plan was made for (the config's)
     expert_tp_size: int
     notes: Tuple[Tuple[int, str], ...]  # (level, line): fallbacks from what the config asked for
+    # gradient_accumulation_fusion: the experts add their weight gradients into main_grad in the GEMM
+    wgrad_into_main_grad: bool = False
 
     @property
     def backend_refusals(self) -> Tuple[Tuple[str, str], ...]:
@@ -464,6 +466,16 @@ def _single_grouped_refusal(config, backend, support) -> Optional[str]:
     )
 
 
+def _wgrad_into_main_grad(config, backend, notes) -> bool:
+    """Whether the experts add their weight gradients into main_grad in the GEMM (F13)."""
+    if not getattr(config, "gradient_accumulation_fusion", False):
+        return False
+    if not backend.wgrad_into_main_grad:
+        notes.append((logging.INFO, f"gradient_accumulation_fusion: the {backend.name} experts write their weight "
+                                    "gradients in the parameters' dtype and DDP adds them to main_grad (not fused)"))
+    return backend.wgrad_into_main_grad
+
+
 def make_plan(config) -> MoEPlan:
     """The plan for ``config`` in this process, computed afresh (``plan_for`` caches it)."""
     notes = []
@@ -479,6 +491,7 @@ def make_plan(config) -> MoEPlan:
     support = tuple((b.name, reason) for b, reason in blockers)
     padding = _padding(config, backend, notes)
     exchange = _exchange(config, backend, padding, notes)
+    wgrad_into_main_grad = _wgrad_into_main_grad(config, backend, notes)
     return MoEPlan(
         backend=backend,
         backend_support=support,
@@ -489,6 +502,7 @@ def make_plan(config) -> MoEPlan:
         ep_size=ep_size(config),
         expert_tp_size=expert_tp_size(config),
         notes=tuple(notes),
+        wgrad_into_main_grad=wgrad_into_main_grad,
     )
 
 

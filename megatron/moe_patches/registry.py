@@ -39,6 +39,7 @@ class Binding:
     reason: str
     optional: bool = False
     factory: bool = False
+    absent_in_stock: bool = False  # megatron-core leaves the name undefined here; revert() deletes it
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ _SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
 _EXPERTS_SPEC = ("the experts' layer spec: TESpecProvider.grouped_mlp_modules, which every GPT/Mamba MoE spec asks "
                  "for the experts, returns the class of this name")
 _GRAPH_ENTRY = "megatron.moe_patches.graphs.moe_layer_graphs:"
+_LAYERS = "megatron.core.tensor_parallel.layers"
+_MAIN_GRAD = "megatron.moe_patches.kernels.main_grad_accumulation:"
 
 SERIES: Tuple[Feature, ...] = (
     Feature(
@@ -377,6 +380,31 @@ SERIES: Tuple[Feature, ...] = (
         module="megatron.moe_patches.dispatch.symmetric_exchange",
         bindings=(),
         requires=("C0", "F1", "F8"),
+    ),
+    Feature(
+        id="F13",
+        title="Gradient accumulation into main grads without APEX",
+        changes="gradient_accumulation_fusion (Megatron-LM's default) runs without APEX: megatron-core's non-TE "
+        "linear layers get the two wgrad-accumulate functions they take from APEX (torch addmm with an fp32 "
+        "output into main_grad), and the grouped_mm experts add their weight gradients into main_grad in one "
+        "Triton grouped GEMM (kernels/main_grad_accumulation.py); TE's modules keep their own fused path.",
+        fields=(),
+        upstream=("none: APEX's fused_weight_gradient_mlp_cuda is what megatron-core 0.16.1 asks for",),
+        te_requirement="none (cuBLAS through torch.addmm; Triton for the experts)",
+        te_probe=None,
+        native=lambda: bool(cap.mcore_attr("tensor_parallel.layers", "_grad_accum_fusion_available")),
+        page="patches/F13-wgrad-into-main-grad.md",
+        test="tests/unit/test_main_grad_accumulation.py, tests/gpu/test_main_grad_accumulation.py, "
+        "tests/gpu/test_megatron_lm_client.py",
+        module="megatron.moe_patches.kernels.main_grad_accumulation",
+        bindings=(
+            Binding(_LAYERS, "fused_weight_gradient_mlp_cuda", _MAIN_GRAD + "APEX_WGRAD",
+                    "the layers' backward calls APEX's extension by this module-level name (set only where APEX "
+                    "imports)", absent_in_stock=True),
+            Binding(_LAYERS, "_grad_accum_fusion_available", _MAIN_GRAD + "FUSION_AVAILABLE",
+                    "ColumnParallelLinear/RowParallelLinear refuse gradient_accumulation_fusion when this is False"),
+        ),
+        requires=(),
     ),
 )
 

@@ -7,6 +7,8 @@ lines README adds (megatron.moe_patches.testing.megatron_lm_pretrain), a tiny GP
 - Resumes that change the experts' parameter layout: refused by name with Megatron-LM's
   default optimizer format (dp_reshardable), exact with --dist-ckpt-optim-fully-reshardable.
 - --use-checkpoint-args restores the patch flags.
+- Megatron-LM's default --gradient-accumulation-fusion trains without APEX (F13): TE experts
+  and the fast path, eager and graphed (graphed equals eager bitwise), tracking the unfused run.
 
 Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout."""
 
@@ -49,11 +51,16 @@ def graphs(impl):
     return ["--cuda-graph-impl", impl, "--cuda-graph-scope", "moe", "--cuda-graph-warmup-steps", "2"]
 
 
-def megatron_lm(*flags, iters=8, expect_failure=False, stock=False):
+NO_FUSION = "--no-gradient-accumulation-fusion"
+
+
+def megatron_lm(*flags, iters=8, expect_failure=False, stock=False, fusion=False):
     """One torchrun of Megatron-LM's pretrain_gpt.py (edited as README says, or as shipped with
-    ``stock``); (losses by iteration, output)."""
+    ``stock``); (losses by iteration, output). ``fusion``: Megatron-LM's default
+    gradient-accumulation fusion (F13), which the other runs turn off."""
+    base = [flag for flag in TINY if flag != NO_FUSION] if fusion else TINY
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
-           "-m", "megatron.moe_patches.testing.megatron_lm_pretrain", *TINY, "--train-iters", str(iters), *flags]
+           "-m", "megatron.moe_patches.testing.megatron_lm_pretrain", *base, "--train-iters", str(iters), *flags]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")
     env.setdefault("NCCL_ALGO", "Ring")  # --deterministic-mode asks for a fixed NCCL algorithm
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), CHECKOUT]))
@@ -144,3 +151,18 @@ def test_use_checkpoint_args_restores_the_patch_flags(tmp_path):
     _, output = megatron_lm(*RESUME, "--load", str(ckpt), "--use-checkpoint-args", iters=6)
     assert "moe_single_grouped_weight = True from the checkpoint's args" in output
     assert "moe_device_tokens_per_expert = True from the checkpoint's args" in output
+
+
+def test_gradient_accumulation_fusion_trains_without_apex():
+    unfused, _ = megatron_lm(*FAST)
+    fused, output = megatron_lm(*FAST, fusion=True)
+    assert "fused_weight_gradient_mlp_cuda" not in output
+    graphed, output = megatron_lm(*FAST, *graphs("transformer_engine"), fusion=True)
+    te_experts, _ = megatron_lm(fusion=True)  # the series at its defaults: TE's own fusion
+    print(f"fusion: unfused {unfused}; fused {fused}; graphed {graphed}; TE experts {te_experts}")
+    assert captured_layers(output) == [LAYERS]
+    assert graphed == fused  # replays add into main_grad what the eager backward adds
+    for step in unfused:
+        # fused sums each micro-batch's weight gradient in fp32, unfused rounds it to bf16 first
+        assert float(fused[step]) == pytest.approx(float(unfused[step]), rel=1e-2)
+        assert float(te_experts[step]) == pytest.approx(float(unfused[step]), rel=5e-2)

@@ -23,16 +23,17 @@ class ShellGroupedLinear(torch.nn.Module):
 
 
 def experts_shell(backend_class, config, experts, fc1_shape, fc2_shape, bias=False, seed=0, dtype=torch.bfloat16,
-                  padding_plan=PaddingPlan(None, NOBODY)):
+                  padding_plan=PaddingPlan(None, NOBODY), wgrad_into_main_grad=False):
     """The experts module a backend is built for: a MegatronModule (its ``set_is_first_microbatch``
     is megatron-core's) holding FC1 [out, in] and FC2 [out, in] per expert, and the plan's
-    padding (``padding_plan``: nobody pads unless given)."""
+    padding (``padding_plan``: nobody pads unless given) and F13's option (``wgrad_into_main_grad``)."""
     submodules = backend_class.expert_submodules(
         config, MLPSubmodules(linear_fc1=ShellGroupedLinear, linear_fc2=ShellGroupedLinear))
     generator = torch.Generator().manual_seed(seed)
     owner = MegatronModule(config)
     owner.num_local_experts = experts
     owner.padding_plan = padding_plan
+    owner.wgrad_into_main_grad = wgrad_into_main_grad
     owner.linear_fc1 = submodules.linear_fc1(experts, *fc1_shape, bias=bias, generator=generator, dtype=dtype)
     owner.linear_fc2 = submodules.linear_fc2(experts, *fc2_shape, bias=bias, generator=generator, dtype=dtype)
     return owner

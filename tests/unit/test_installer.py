@@ -184,11 +184,11 @@ def test_native_features_detected_and_not_installed(reverted, monkeypatch):
     rows = {r.id: r for r in apply()}
     for feature_id in ("C0", "F2", "F4", "F5", "F6", "F8"):
         assert rows[feature_id].state == "native", rows[feature_id]
-    # Not detectable through config fields (F10-F12: no megatron-core has them): installed,
+    # Not detectable through config fields (F10-F13: no megatron-core has them): installed,
     # with the native C0 as their base.
-    assert {rows[f].state for f in ("F1", "F3", "F7", "F10", "F11", "F12")} == {"applied"}
+    assert {rows[f].state for f in ("F1", "F3", "F7", "F10", "F11", "F12", "F13")} == {"applied"}
     assert tc_module.TransformerConfig is NewerTransformerConfig
-    assert set(installer._applied) == {"F1", "F3", "F7", "F10", "F11", "F12"}
+    assert set(installer._applied) == {"F1", "F3", "F7", "F10", "F11", "F12", "F13"}
 
 
 def test_native_probe_sees_stock_class_while_applied(reverted):

@@ -27,7 +27,7 @@ def test_unknown_feature_is_a_value_error_and_a_key_error(call, reverted):
         with pytest.raises(kind) as caught:
             call("C0,F99")
         assert str(caught.value) == ("features: unknown patch 'F99'; the series is C0, F1, F2, F3, F4, F5, F6, F7, "
-                                     "F8, F10, F11, F12")
+                                     "F8, F10, F11, F12, F13")
 
 
 def test_a_refused_list_installs_nothing(reverted):

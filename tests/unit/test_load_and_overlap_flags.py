@@ -130,8 +130,8 @@ def test_overlap_needs_torch_2_6(two_ranks, monkeypatch, refused):
 
 
 @pytest.mark.parametrize("te, extra, message", [
-    ("2.6.0", [], "--delay-wgrad-compute needs Transformer Engine >= 2.7.0 (this driver does not fuse gradient "
-     "accumulation); this is 2.6.0: upgrade TE or drop the flag"),
+    ("2.6.0", ["--no-gradient-accumulation-fusion"], "--delay-wgrad-compute with --no-gradient-accumulation-fusion "
+     "needs Transformer Engine >= 2.7.0; this is 2.6.0: upgrade TE or drop one of the flags"),
     ("2.7.1", ["--overlap-grad-reduce"], "--delay-wgrad-compute with --overlap-grad-reduce needs Transformer "
      "Engine >= 2.8.0; this is 2.7.1: upgrade TE or drop --overlap-grad-reduce"),
 ])

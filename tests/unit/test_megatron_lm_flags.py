@@ -86,7 +86,7 @@ MEGATRON_LM_DEFAULTS = {
 RUNS_OTHERWISE = {
     "--no-check-for-nan-in-loss-and-grad": False, "--no-masked-softmax-fusion": False,
     "--no-bias-gelu-fusion": False, "--no-bias-swiglu-fusion": False, "--no-bias-dropout-fusion": False,
-    "--no-rope-fusion": False, "--no-persist-layer-norm": True, "--no-gradient-accumulation-fusion": False,
+    "--no-rope-fusion": False, "--no-persist-layer-norm": True,
     "--no-ckpt-fully-parallel-save": False, "--no-save-rng": True, "--no-load-rng": True,
     "--attention-softmax-in-fp32": True, "--accumulate-allreduce-grads-in-fp32": True,
     "--no-overlap-p2p-communication": False, "--eval-iters": 0, "--num-workers": 0,

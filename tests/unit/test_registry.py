@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_series_order_and_ids():
-    assert [f.id for f in SERIES] == ["C0", "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F10", "F11", "F12"]
+    assert [f.id for f in SERIES] == ["C0", "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F10", "F11", "F12", "F13"]
     assert set(BY_ID) == {f.id for f in SERIES}
 
 
@@ -29,14 +29,18 @@ def test_every_binding_names_a_real_owner_and_object_and_says_why():
     for binding in bindings:
         assert len(binding.reason) > 30, binding
         module_name, _, qualname = binding.patched.partition(":")
-        assert callable(getattr(importlib.import_module(module_name), qualname)), binding.patched
+        patched = getattr(importlib.import_module(module_name), qualname)
+        # functions and classes, or a value megatron-core reads by name (F13's APEX stand-ins)
+        assert callable(patched) or binding.owner == "megatron.core.tensor_parallel.layers", binding.patched
+        assert patched is not None, binding.patched
         if binding.optional:  # Megatron-LM's modules
             assert binding.owner.startswith("megatron.training."), binding
             continue
         owner_module, _, owner_class = binding.owner.partition(":")
         owner = importlib.import_module(owner_module)
         owner = getattr(owner, owner_class) if owner_class else owner
-        assert binding.attribute in vars(owner), binding
+        # a name megatron-core defines only where APEX imports is absent here, and present otherwise
+        assert (binding.attribute in vars(owner)) is not binding.absent_in_stock, binding
 
 
 def test_every_proving_test_exists():

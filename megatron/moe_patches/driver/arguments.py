@@ -297,6 +297,9 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                        help="Shard the optimizer states across the data-parallel ranks.")
     train.add_argument("--overlap-grad-reduce", action="store_true",
                        help="Overlap the data-parallel gradient reduction with the backward pass.")
+    train.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                       help="Have DDP add each micro-batch's weight gradients to the fp32 main grads instead of the "
+                       "weight-gradient GEMMs (Megatron-LM's flag; by default they add into them, no APEX needed).")
     train.add_argument("--deterministic-mode", action="store_true",
                        help="Use deterministic kernels only, so that runs and resumed runs reproduce exactly.")
 
@@ -953,8 +956,8 @@ def _check_main_params_load(args: argparse.Namespace) -> None:
 
 # megatron-core's TransformerConfig asserts: the all-to-all overlap hangs on older torch.
 OVERLAP_MIN_TORCH = (2, 6)
-# Megatron-LM's floors for --delay-wgrad-compute: TE without gradient-accumulation fusion
-# (this driver never fuses it), and TE with --overlap-grad-reduce.
+# Megatron-LM's floors for --delay-wgrad-compute: TE without gradient-accumulation fusion, and
+# TE with --overlap-grad-reduce.
 DELAY_WGRAD_MIN_TE = "2.7.0"
 DELAY_WGRAD_OVERLAP_GRAD_REDUCE_MIN_TE = "2.8.0"
 
@@ -995,9 +998,9 @@ def _check_expert_parallel_overlap(args: argparse.Namespace) -> None:
         from packaging.version import Version
 
         te = capabilities.te_version()  # None where TE cannot be imported: checked on the GPU machine
-        if te is not None and te < Version(DELAY_WGRAD_MIN_TE):
-            raise ValueError(f"{delay} needs Transformer Engine >= {DELAY_WGRAD_MIN_TE} (this driver does not fuse "
-                             f"gradient accumulation); this is {te}: upgrade TE or drop the flag")
+        if te is not None and te < Version(DELAY_WGRAD_MIN_TE) and not args.gradient_accumulation_fusion:
+            raise ValueError(f"{delay} with --no-gradient-accumulation-fusion needs Transformer Engine >= "
+                             f"{DELAY_WGRAD_MIN_TE}; this is {te}: upgrade TE or drop one of the flags")
         if te is not None and args.overlap_grad_reduce and te < Version(DELAY_WGRAD_OVERLAP_GRAD_REDUCE_MIN_TE):
             raise ValueError(f"{delay} with --overlap-grad-reduce needs Transformer Engine >= "
                              f"{DELAY_WGRAD_OVERLAP_GRAD_REDUCE_MIN_TE}; this is {te}: upgrade TE or drop "
@@ -1208,6 +1211,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         params_dtype=params_dtype(args),
         pipeline_dtype=params_dtype(args),
         deterministic_mode=args.deterministic_mode,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute,
         cuda_graph_impl=args.cuda_graph_impl,

@@ -192,8 +192,6 @@ FSDP = ("FSDP is not offered: this driver trains with megatron-core's DDP (--use
 FUSIONS = ("this driver builds megatron-core's TransformerConfig with this fusion off (megatron-core's default; in "
            "Megatron-LM the flag's --no- form asks for that)")
 GPT_MODEL_ROPE = "this driver builds full-width RoPE without scaling or interpolation"
-GRADIENT_ACCUMULATION_FUSION = ("this driver does not fuse gradient accumulation into the weight-gradient GEMMs (in "
-                                "Megatron-LM --no-gradient-accumulation-fusion asks for that)")
 GRADIENT_DUMPS = "this driver does not save gradients"
 HETEROGENEOUS = "heterogeneous layer configurations are not built by this driver"
 INFERENCE = "an inference setting: this driver only trains"
@@ -551,8 +549,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     off("--no-pin-cpu-params", dest="pin_cpu_params", refused=OPTIMIZER_OFFLOAD),
     opt("--dataloader-type", str, None, refused=DATA_LOADER),
     on("--no-persist-layer-norm", refused=FUSIONS, runs_as=True),
-    off("--no-gradient-accumulation-fusion",
-        dest="gradient_accumulation_fusion", refused=GRADIENT_ACCUMULATION_FUSION, runs_as=False),
+    off("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion"),
     on("--use-mcore-models", dest="deprecated_use_mcore_models", refused=DEPRECATED_MCORE_MODELS),
     on("--use-legacy-models", refused=LEGACY_MODELS),
     opt("--high-priority-stream-groups", str, [], nargs="*", refused=STREAM_PRIORITIES),

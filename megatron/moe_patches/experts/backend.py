@@ -94,6 +94,9 @@ class ExpertBackend:
     holds_single_grouped_params = False  # moe_single_grouped_weight/_bias (F5)
     single_grouped_missing = "it keeps one parameter per expert"  # why not, where it does not
     takes_device_counts = False  # reads device token counts without a host sync (graph-safe, F11/F12)
+    # adds weight gradients into DDP's fp32 main_grad in the GEMM under gradient_accumulation_fusion
+    # (TE's modules and ops do it themselves; F13)
+    wgrad_into_main_grad = True
     alignment: Optional[int] = None  # rows per expert under FP8/FP4 where not the recipe's (1: any)
     # A mixin whose ``forward`` replaces FC1's and FC2's (TE's grouped linear) for a backend that
     # computes with their parameters itself; None: the stock classes. The backend then calls the

@@ -415,6 +415,7 @@ class FP8GroupedMMBackend(GroupedMMBackend):
     precision_note = "bf16 runs the grouped_mm backend"
     fp8_recipes = tuple(RECIPES)
     alignment = 1  # the FP8 grouped GEMMs take any rows per expert: nobody pads
+    wgrad_into_main_grad = False  # its weight gradients come back from its own autograd functions
 
     @classmethod
     def unavailable(cls, config) -> Optional[str]:

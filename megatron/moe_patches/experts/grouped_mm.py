@@ -33,6 +33,7 @@ from megatron.moe_patches.experts.backend import BF16, ExpertBackend
 from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
 from megatron.moe_patches.experts.grouped_params import make_grouped
+from megatron.moe_patches.kernels.main_grad_accumulation import MainGradTable, grouped_wgrad_into_main_grad
 from megatron.moe_patches.kernels.weighted_glu import ExpertAmax, GLUSpec, glu_spec, weighted_glu
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,77 @@ def bf16_grouped_gemm(groups: RowGroups):
     return lambda linear, x_TI, w_EOI: torch._grouped_mm(x_TI, w_EOI.transpose(1, 2), offs=groups.offsets_E)
 
 
+class MainGradTarget:
+    """Where one FC's weight gradient goes under gradient_accumulation_fusion: the fp32
+    ``main_grad`` that Megatron's DDP gives each of its weight parameters (per expert, or one
+    [E, out, in] grouped parameter). It keeps the real parameters: under a CUDA-graph capture the
+    module computes with aliases of them, which carry no main_grad."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.table = MainGradTable()
+
+    def main_grads_E(self):
+        grads = []
+        for p in self.params:
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is None:
+                raise RuntimeError(
+                    "gradient_accumulation_fusion adds the experts' weight gradients into main_grad, which "
+                    "Megatron's DistributedDataParallel gives each parameter; this model has none: wrap it in "
+                    "DistributedDataParallel or turn the fusion off (--no-gradient-accumulation-fusion).")
+            grads.extend(main_grad.unbind(0) if main_grad.dim() == 3 else (main_grad,))
+        return grads
+
+    def accumulate(self, x_TI, dy_TO, offsets_E) -> None:
+        grouped_wgrad_into_main_grad(x_TI, dy_TO, offsets_E, self.main_grads_E(), self.table)
+        for p in self.params:
+            p.grad_added_to_main_grad = True  # DDP's hook then skips the placeholder gradient
+
+
+def _placeholder_grad(w_EOI: torch.Tensor) -> torch.Tensor:
+    """The weight's autograd gradient once its value went into main_grad: never written nor read
+    (DDP's hook sees grad_added_to_main_grad), but not None, so the hook still runs on the backward
+    thread and tells DDP the gradient is ready. One buffer per shape is shared by every layer."""
+    key = (tuple(w_EOI.shape), w_EOI.dtype, w_EOI.device)
+    buffer = _PLACEHOLDERS.get(key)
+    if buffer is None:
+        buffer = _PLACEHOLDERS[key] = torch.empty(key[0], dtype=key[1], device=key[2])
+    return buffer
+
+
+_PLACEHOLDERS = {}
+
+
+class _GroupedLinearIntoMainGrad(torch.autograd.Function):
+    """y_TO = x_TI @ w_EOI[expert(row)]^T (one torch._grouped_mm); the backward adds the weight
+    gradient into the weights' main_grad (``MainGradTarget``) instead of returning it."""
+
+    @staticmethod
+    def forward(ctx, x_TI, w_EOI, offsets_E, target: MainGradTarget):
+        ctx.save_for_backward(x_TI, w_EOI, offsets_E)
+        ctx.target = target
+        return torch._grouped_mm(x_TI, w_EOI.transpose(1, 2), offs=offsets_E)
+
+    @staticmethod
+    def backward(ctx, dy_TO):
+        x_TI, w_EOI, offsets_E = ctx.saved_tensors
+        dy_TO = dy_TO.contiguous()
+        dx_TI = torch._grouped_mm(dy_TO, w_EOI, offs=offsets_E) if ctx.needs_input_grad[0] else None
+        dw_EOI = None
+        if ctx.needs_input_grad[1]:
+            ctx.target.accumulate(x_TI, dy_TO, offsets_E)
+            dw_EOI = _placeholder_grad(w_EOI)
+        return dx_TI, dw_EOI, None, None
+
+
+def grouped_gemm_into_main_grad(groups: RowGroups, targets):
+    """(linear, x_TI, w_EOI) -> y_TO as ``bf16_grouped_gemm``, with the weight gradient added
+    into ``targets[linear]``'s main_grad."""
+    return lambda linear, x_TI, w_EOI: _GroupedLinearIntoMainGrad.apply(x_TI, w_EOI, groups.offsets_E,
+                                                                        targets[linear])
+
+
 def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec,
                    glu_amax: Optional[ExpertAmax] = None, glu_quantized_rows: bool = False) -> torch.Tensor:
     """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
@@ -186,9 +258,16 @@ class GroupedMMBackend(ExpertBackend):
         if not grouped["weight"]:
             log_once(logger, logging.WARNING, STACKED_WEIGHTS)
         self._glu = glu_spec(config)
+        # F13: under gradient_accumulation_fusion the wgrad GEMM adds into main_grad
+        self.main_grad_targets = None
+        if experts.wgrad_into_main_grad:
+            self.main_grad_targets = {fc: MainGradTarget(weight_params(fc))
+                                      for fc in (experts.linear_fc1, experts.linear_fc2)}
 
     def gemm(self, groups: RowGroups):
         """The grouped GEMM (linear, x_TI, w_EOI) -> y_TO over this forward's ``groups``."""
+        if self.main_grad_targets is not None:
+            return grouped_gemm_into_main_grad(groups, self.main_grad_targets)
         return bf16_grouped_gemm(groups)
 
     def glu_amax(self, groups: RowGroups) -> Optional[ExpertAmax]:

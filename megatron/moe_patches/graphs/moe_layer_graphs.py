@@ -83,6 +83,9 @@ class _Captured:
         self.static_out = self.static_grad_out = None
         self.static_grad_x = None
         self.static_grad_params = ()
+        # Parameters whose weight gradient the captured backward adds into main_grad (F13, or TE's
+        # own fusion): each replay tells DDP's hook again, which the Python code of the capture did.
+        self.into_main_grad = ()
         self.replays = 0  # forward replays since the capture
         # Work the graphs leave to the host before each replay: the FP8 backend's weight
         # copies (quantized once per optimizer step, outside the graph).
@@ -97,6 +100,23 @@ class _Captured:
     def run_backward(self, out):
         grads = torch.autograd.grad(out, (self.static_x, *self.aliases), self.static_grad_out, allow_unused=True)
         return grads[0], grads[1:]
+
+    def make_aliases(self):
+        self.aliases = [p.detach().requires_grad_(True) for p in self.params]
+        for param, alias in zip(self.params, self.aliases):
+            if hasattr(param, "main_grad"):  # a module that fuses wgrad accumulation reads it off the alias
+                alias.main_grad = param.main_grad
+
+    def capture_backward(self, **capture):
+        """Capture the backward and note which parameters it adds into main_grad."""
+        for tensor in (*self.params, *self.aliases):
+            if hasattr(tensor, "grad_added_to_main_grad"):
+                tensor.grad_added_to_main_grad = False
+        with torch.cuda.graph(self.bwd_graph, **capture):
+            self.static_grad_x, self.static_grad_params = self.run_backward(self.static_out)
+        self.into_main_grad = tuple(p for p, a in zip(self.params, self.aliases)
+                                    if getattr(p, "grad_added_to_main_grad", False)
+                                    or getattr(a, "grad_added_to_main_grad", False))
 
 
 class _Replay(torch.autograd.Function):
@@ -113,6 +133,8 @@ class _Replay(torch.autograd.Function):
         captured = ctx.captured
         captured.static_grad_out.copy_(grad_out_TBH)
         captured.bwd_graph.replay()
+        for param in captured.into_main_grad:
+            param.grad_added_to_main_grad = True
         grad_params = tuple(None if g is None else g.detach() for g in captured.static_grad_params)
         return (None, captured.static_grad_x.detach(), *grad_params)
 
@@ -139,12 +161,15 @@ class MoELayerGraphs:
         # Warm-up and capture run the layers: their buffers (e.g. the router's token counts
         # for expert-bias balancing) must not keep what those runs added.
         buffers = [{n: b.clone() for n, b in layer.named_buffers()} for layer in self.layers]
+        # Nor the main grads: the warm-up backwards add into them where wgrad accumulation is fused.
+        main_grads = [(g, g.clone()) for g in {id(p.main_grad): p.main_grad for c in self.captured
+                                                for p in c.params if hasattr(p, "main_grad")}.values()]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for c in self.captured:
-                c.aliases = [p.detach().requires_grad_(True) for p in c.params]
+                c.make_aliases()
                 c.static_grad_out = torch.empty(self.shape, dtype=self.dtype, device=sample_TBH.device)
             # Warm-up on the capture stream: lazy initialisations and autotuning happen here,
             # and the FP8 weight copies are made (the capture finds them current).
@@ -162,12 +187,13 @@ class MoELayerGraphs:
                 with torch.cuda.graph(c.fwd_graph, **capture), context():
                     c.static_out = c.run_forward()
             for c in reversed(self.captured):
-                with torch.cuda.graph(c.bwd_graph, **capture):
-                    c.static_grad_x, c.static_grad_params = c.run_backward(c.static_out)
+                c.capture_backward(**capture)
         torch.cuda.current_stream().wait_stream(stream)
         for layer, saved in zip(self.layers, buffers):
             for name, buffer in layer.named_buffers():
                 buffer.copy_(saved[name])
+        for main_grad, saved in main_grads:
+            main_grad.copy_(saved)
         for c in self.captured:
             c.aliases = None  # the graphs hold what they need; the aliases' autograd state can go
 
