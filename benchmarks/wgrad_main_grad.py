@@ -30,8 +30,7 @@ SHAPES = {  # hidden, moe_ffn, experts, topk
     "deepseek-like": (2048, 1408, 64, 6),
     "mixtral-like": (4096, 14336, 8, 2),
 }
-CONFIGS = [TILES, Tiles(128, 256, 64, 8, 3), Tiles(64, 128, 64, 4, 3), Tiles(128, 128, 32, 8, 4),
-           Tiles(256, 128, 64, 8, 3)]
+CONFIGS = [TILES, Tiles(64, 128, 64, 4, 3), Tiles(128, 128, 32, 8, 4), Tiles(128, 64, 64, 4, 3)]
 
 
 def timed(fn, iters):
