@@ -213,8 +213,39 @@ def profile_breakdown(trace_dir: str) -> dict:
             totals[label] = totals.get(label, 0.0) + event["dur"] / 1000.0
             kernels[event["name"][:120]] = kernels.get(event["name"][:120], 0.0) + event["dur"] / 1000.0
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return {"gpu_ms_by_family": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": {k: round(v, 2) for k, v in top}}
+    result = {"gpu_ms_by_family": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+              "top_kernels_ms": {k: round(v, 2) for k, v in top}}
+    result.update(host_breakdown(events))
+    return result
+
+
+def _top(events, category, count):
+    totals, calls = {}, {}
+    for event in events:
+        if event.get("cat") == category and "dur" in event:
+            name = event["name"][:140]
+            totals[name] = totals.get(name, 0.0) + event["dur"] / 1000.0
+            calls[name] = calls.get(name, 0) + 1
+    return {k: [round(v, 2), calls[k]] for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:count]}
+
+
+def host_breakdown(events) -> dict:
+    """Where the host's time goes in the profiled iteration: the GPU's idle time (the kernels'
+    span minus their union), the CUDA runtime calls (syncs show as long ones) and the Python
+    functions by inclusive time ([ms, calls])."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+    busy, end = 0.0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = (spans[-1][1] - spans[0][0]) / 1000.0 if spans else 0.0
+    return {"gpu_span_ms": round(span, 2), "gpu_idle_ms": round(span - busy / 1000.0, 2),
+            "cuda_runtime_ms_calls": _top(events, "cuda_runtime", 12),
+            "python_ms_calls": _top(events, "python_function", 60)}
 
 
 def one(loop, variant, precision, iters, global_batch, warmup, device, extra=()):
