@@ -76,7 +76,33 @@ VARIANTS = {
     "graphed": FAST + GRAPHS + NO_FUSION,
     # F13: Megatron-LM's default gradient-accumulation fusion, without APEX
     "graphed-fused": FAST + GRAPHS,
+    # an experiment on Megatron-LM's loop: graphed-fused with its batches taken without host syncs
+    # (SYNC_FREE_BATCH below); the driver's batches have none
+    "graphed-fused-sync-free-batch": FAST + GRAPHS,
 }
+SYNC_FREE_BATCH = "MOE_MODEL_SYNC_FREE_BATCH"
+
+
+def sync_free_batches() -> None:
+    """Megatron-LM's get_batch_on_this_tp_rank broadcasts each micro-batch within the tensor-parallel
+    group and, for the packed-sequence lengths, first makes a device tensor from a host int
+    (``torch.tensor(n, device=...)``: the host waits for the GPU twice per micro-batch), even at
+    TP 1, where the group is this rank alone. With TP 1 this stand-in moves the same tensors to
+    the GPU and returns the same batch, without the waits (bound before pretrain_gpt.py imports it)."""
+    from megatron.core import parallel_state
+    from megatron.training import utils
+
+    stock = utils.get_batch_on_this_tp_rank
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "cu_seqlens", "max_seqlen",
+            "local_cp_size")
+
+    def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=False):
+        if parallel_state.get_tensor_model_parallel_world_size() != 1:
+            return stock(data_iterator, mtp_on_this_rank)
+        data = next(data_iterator)
+        return {k: data[k].cuda(non_blocking=True) if k in data else None for k in keys}
+
+    utils.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank
 BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
 PRECISIONS = {
     "bf16": [],
@@ -111,6 +137,9 @@ def run_child(loop: str) -> None:
     if loop == "megatron-lm":
         from megatron.moe_patches.testing import megatron_lm_pretrain
 
+        if os.environ.get(SYNC_FREE_BATCH) == "1":
+            sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
+            sync_free_batches()
         megatron_lm_pretrain.main()
     else:
         sys.argv[0] = str(ROOT / "pretrain_gpt.py")
@@ -134,6 +163,8 @@ def launch(loop, variant, precision, iters, global_batch, extra=()):
                                                       env.get("MEGATRON_LM_PATH")]))
     if loop == "megatron-lm" and variant == "stock":
         env["MEGATRON_LM_AS_SHIPPED"] = "1"
+    if variant.endswith("sync-free-batch"):
+        env[SYNC_FREE_BATCH] = "1"
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=540)
     return run.returncode, run.stdout + run.stderr
 
@@ -245,7 +276,30 @@ def host_breakdown(events) -> dict:
     span = (spans[-1][1] - spans[0][0]) / 1000.0 if spans else 0.0
     return {"gpu_span_ms": round(span, 2), "gpu_idle_ms": round(span - busy / 1000.0, 2),
             "cuda_runtime_ms_calls": _top(events, "cuda_runtime", 12),
-            "python_ms_calls": _top(events, "python_function", 60)}
+            "host_syncs_by_caller": sync_callers(events),
+            "python_ms_calls": _top(events, "python_function", 40)}
+
+
+def sync_callers(events, depth=7) -> dict:
+    """The Python callers (innermost ``depth`` frames) of each CUDA runtime call that waits for
+    the GPU, counted: where a loop's host stalls."""
+    frames = {}
+    for e in events:
+        if e.get("cat") == "python_function" and "dur" in e:
+            frames.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    callers = {}
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or "dur" not in e:
+            continue
+        if not any(k in e["name"] for k in ("Synchronize", "cudaMemcpy(", "cudaMemcpy ")) and e["name"] != "cudaMemcpy":
+            continue
+        around = [f for f in frames.get((e.get("pid"), e.get("tid")), [])
+                  if f["ts"] <= e["ts"] and f["ts"] + f["dur"] >= e["ts"] + e["dur"]]
+        stack = " < ".join(f["name"][:90] for f in sorted(around, key=lambda f: f["dur"])[:depth])
+        key = f"{e['name']}: {stack}"
+        ms, calls = callers.get(key, (0.0, 0))
+        callers[key] = (ms + e["dur"] / 1000.0, calls + 1)
+    return {k: [round(v[0], 2), v[1]] for k, v in sorted(callers.items(), key=lambda kv: -kv[1][1])[:20]}
 
 
 def one(loop, variant, precision, iters, global_batch, warmup, device, extra=()):
@@ -264,13 +318,14 @@ def one(loop, variant, precision, iters, global_batch, warmup, device, extra=())
     return line
 
 
-def profiled(variant, precision, iters, global_batch, device, start):
+def profiled(variant, precision, iters, global_batch, device, start, extra=()):
     trace_dir = tempfile.mkdtemp(prefix="moe-model-trace-")
-    extra = ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start),
+    extra = [*extra, "--profile", "--use-pytorch-profiler", "--profile-step-start", str(start),
              "--profile-step-end", str(start + 1), "--tensorboard-dir", trace_dir]
     code, output = launch("megatron-lm", variant, precision, iters, global_batch, extra)
     line = {"benchmark": "moe_model_profile", "device": device, "loop": "megatron-lm", "variant": variant,
-            "precision": precision, "profiled_iteration": start, "returncode": code}
+            "precision": precision, "global_batch": global_batch, "profiled_iteration": start,
+            "extra_flags": " ".join(extra[:-8]), "returncode": code}
     if code != 0:
         line["error"] = output[-3000:]
     else:
@@ -348,8 +403,8 @@ def main() -> None:
                 emit(line, args.out)
     if args.profile:
         for precision in args.precisions.split(","):
-            emit(profiled(args.profile_variant, precision, warmup + 4, args.global_batch_size, device, warmup + 2),
-                 args.out)
+            emit(profiled(args.profile_variant, precision, warmup + 4, args.global_batch_size, device, warmup + 2,
+                          extra), args.out)
 
 
 def emit(line, out):
