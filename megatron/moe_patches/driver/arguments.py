@@ -469,7 +469,25 @@ def check_environment(args: argparse.Namespace) -> int:
         env_switch(name)
     if args.deterministic_mode:
         _check_deterministic_env()
+    _check_symmetric_exchange_node(args, world)
     return world
+
+
+def _check_symmetric_exchange_node(args: argparse.Namespace, world: int) -> None:
+    """--moe-symmetric-exchange maps the expert-parallel peers' GPU memory: an expert group must lie
+    within one node, i.e. expert TP x EP ranks (consecutive in megatron-core's rank order) within the
+    launcher's ranks per node (LOCAL_WORLD_SIZE)."""
+    if not getattr(args, "moe_symmetric_exchange", False) or args.expert_model_parallel_size == 1:
+        return
+    per_node = _launcher_int("LOCAL_WORLD_SIZE", world, 1, world, f"a rank count from 1 to {world}")
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    group = etp * args.expert_model_parallel_size
+    if group > per_node or per_node % group:
+        raise ValueError(f"--moe-symmetric-exchange with --expert-model-parallel-size {args.expert_model_parallel_size} "
+                         f"(x expert TP {etp}) needs each expert-parallel group on one node, but the launcher "
+                         f"starts {per_node} ranks per node (LOCAL_WORLD_SIZE): use an EP of at most "
+                         f"{max(per_node // etp, 1)} that divides it, or drop --moe-symmetric-exchange (NCCL's all-to-all "
+                         "crosses nodes)")
 
 
 def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.Namespace:
@@ -502,6 +520,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
         parser.error(refused)
     megatron_lm_flags.drop_refused(args)
     try:
+        check_given_values(args)
         world_size = check_environment(args)
         apply_megatron_lm_rules(args, warn)
         check_load(args, warn)
@@ -633,9 +652,16 @@ INT_RANGES: Dict[str, IntRange] = {
     # seeds it also makes (seed + 2718 + rank, ...) fit torch's 64-bit range then.
     "seed": IntRange(0, 2**32 - 1, "2**32 - 1, the largest seed the data shuffle takes"),
 }
-NOT_NEGATIVE = ("lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coeff")
-FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")  # [0, 1)
-POSITIVE_FLOATS = ("init_method_std", "adam_eps")
+# The domain of every float the driver passes on (megatron-core checks none of them): finite, and
+NOT_NEGATIVE = ("lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coeff",
+                "moe_z_loss_coeff", "moe_router_bias_update_rate")
+# [0, 1); a warmup of the whole decay would leave no decay (refused below, as Megatron-LM does)
+FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction")
+POSITIVE_FLOATS = ("init_method_std", "adam_eps", "layernorm_epsilon", "embedding_init_method_std",
+                   "moe_expert_capacity_factor", "moe_router_topk_scaling_factor", "moe_input_jitter_eps")
+# Flags that name a file or directory: an empty value (an unset shell variable) is refused, never
+# read as "not given".
+PATH_FLAGS = ("save", "load", "data_path", "data_cache_path", "tensorboard_dir")
 # Megatron-LM flags whose dest is the TransformerConfig field of that name: Megatron-LM
 # hands them to the config as given, and so does transformer_config_kwargs. Their
 # Megatron-LM defaults are megatron-core's, so a run that gives none builds the same config.
@@ -691,21 +717,40 @@ def _check_int_range(name: str, value: int) -> None:
         raise ValueError(f"{_flag(name)} {shown(value)}: must be at most {limits.high} ({limits.why})")
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    for name in PATH_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        entries = value if isinstance(value, list) else [value]
+        if not entries or any(not str(entry).strip() for entry in entries):
+            given = "with no value" if not entries else shown(repr(value))
+            raise ValueError(f"{_flag(name)} {given}: an empty path (an unset shell variable?): give the "
+                             f"{'dataset prefixes' if name == 'data_path' else 'path'}, or drop the flag")
+
+
+def check_given_values(args: argparse.Namespace) -> None:
+    """The values as given, before any rule derives others from them: a refusal names the flag
+    the user set (a NaN --lr-warmup-fraction, not the --lr-warmup-iters it would become)."""
+    _check_paths(args)
+    _check_ranges(args)
+
+
 def _check_ranges(args: argparse.Namespace) -> None:
     for name, value in _values(args, INT_RANGES):
         _check_int_range(name, value)
     for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS):
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{flag_name(name)} {value}: must be a finite number")
+            raise ValueError(f"{_flag(name)} {value}: must be a finite number")
     for name, value in _values(args, NOT_NEGATIVE):
         if value < 0:
-            raise ValueError(f"{flag_name(name)} {value}: must not be negative")
+            raise ValueError(f"{_flag(name)} {value}: must not be negative")
     for name, value in _values(args, FRACTIONS):
         if not 0 <= value < 1:
-            raise ValueError(f"{flag_name(name)} {value}: must be at least 0 and below 1")
+            raise ValueError(f"{_flag(name)} {value}: must be at least 0 and below 1")
     for name, value in _values(args, POSITIVE_FLOATS):
         if value <= 0:
-            raise ValueError(f"{flag_name(name)} {value}: must be above 0")
+            raise ValueError(f"{_flag(name)} {value}: must be above 0")
 
 
 # Megatron-LM has no default for these and stops without them; so does this driver.
@@ -736,6 +781,24 @@ def megatron_lm_ffn_hidden_size(args: argparse.Namespace) -> int:
 
 def _tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
+
+
+def _check_split_sizes(args: argparse.Namespace) -> None:
+    """Each size a parallel size splits must divide by it (the layers assert so at model build)."""
+    tp = args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp  # megatron-core's default: the TP size
+    splits = [("--ffn-hidden-size", args.ffn_hidden_size, "--tensor-model-parallel-size", tp)]
+    if args.num_experts is not None:
+        splits.append(("--moe-ffn-hidden-size", args.moe_ffn_hidden_size or args.ffn_hidden_size,
+                       "--expert-tensor-parallel-size" if args.expert_tensor_parallel_size else
+                       "--expert-tensor-parallel-size (the TP size by default)", etp))
+        if args.moe_shared_expert_intermediate_size is not None:
+            splits.append(("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size,
+                           "--tensor-model-parallel-size", tp))
+    for size_flag, size, parallel_flag, parallel in splits:
+        if size % parallel:
+            raise ValueError(f"{size_flag} {size} must be divisible by {parallel_flag} {parallel} (each rank "
+                             f"holds an equal slice): choose sizes that divide")
 
 
 def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
@@ -810,6 +873,7 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         raise ValueError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
                          "--sequence-parallel")
     args.ffn_hidden_size = args.ffn_hidden_size or megatron_lm_ffn_hidden_size(args)
+    _check_split_sizes(args)
     if args.max_position_embeddings < args.seq_length:  # Megatron-LM's rule, whatever the position embedding
         raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                          f"{args.seq_length}: raise it")

@@ -83,6 +83,7 @@ class MainGradTable:
 
     def __init__(self):
         self._tables: Dict[Tuple[int, ...], torch.Tensor] = {}
+        self.triton = cap.triton_available()  # asked once: the kernel, or the PyTorch twin
 
     def of(self, main_grads_E: Sequence[torch.Tensor]) -> torch.Tensor:
         addresses = tuple(g.data_ptr() for g in main_grads_E)
@@ -171,7 +172,7 @@ def grouped_wgrad_into_main_grad(x_TI: torch.Tensor, dy_TO: torch.Tensor, offset
     """main_grads_E[e] += dy_TO[rows of e]^T @ x_TI[rows of e] (fp32), rows of e =
     [offsets_E[e-1], offsets_E[e]) (int32 cumulative ends on the device); rows past the last
     end are ignored. x_TI [T, I] and dy_TO [T, O] are bf16 or fp16."""
-    if not (x_TI.is_cuda and cap.triton_available()):
+    if not (x_TI.is_cuda and table.triton):
         grouped_wgrad_into_main_grad_reference(x_TI, dy_TO, offsets_E, main_grads_E)
         return
     _check_targets(x_TI, dy_TO, main_grads_E)
