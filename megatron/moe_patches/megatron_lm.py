@@ -31,6 +31,7 @@ import argparse
 import functools
 import importlib
 import os
+from types import ModuleType
 from typing import Callable, List, Optional, Set, Tuple
 
 from megatron.moe_patches.fields import PATCH_FIELDS
@@ -45,41 +46,49 @@ _CHECKPOINT_ARGS_OWNERS = (_CHECKPOINTING, "megatron.training.initialize")
 _hook: Optional[Tuple[Callable, Callable]] = None
 # the series entries enable() applied (not those applied before it): what disable() reverts
 _enabled_features: Set[str] = set()
+# (megatron.core.datasets.utils, its compile_helpers) while enable() stands in for the build
+_helpers_build = None
 
 
 def enable() -> None:
     """Apply the patch series and make ``--use-checkpoint-args`` restore the patch args.
 
     Call it before Megatron-LM parses its flags (pretrain_gpt.py: first in its ``__main__``
-    block). Calling it again changes nothing more.
+    block). Calling it again changes nothing more. All or nothing: where a step fails (no
+    Megatron-LM importable), what this call did is undone before the error is raised.
     """
-    before = _applied_ids()
-    apply()
-    _enabled_features.update(_applied_ids() - before)
-    _hook_checkpoint_args()
-    _skip_dataset_helpers_build()
+    before, hooked, standing_in = _applied_ids(), _hook is not None, _helpers_build is not None
+    try:
+        apply()
+        _enabled_features.update(_applied_ids() - before)
+        _hook_checkpoint_args()
+        _skip_dataset_helpers_build()
+    except BaseException:
+        _undo(_applied_ids() - before, hook=not hooked, helpers_build=not standing_in)
+        raise
 
 
 def disable() -> None:
     """Undo ``enable()``: unwrap ``load_args_from_checkpoint`` and revert the series entries
     that ``enable()`` applied (entries applied before it stay)."""
-    global _hook
-    if _hook is not None:
+    _undo(set(_enabled_features), hook=True, helpers_build=True)
+
+
+def _undo(features: Set[str], hook: bool, helpers_build: bool) -> None:
+    """Revert ``features`` and, where asked, unwrap ``load_args_from_checkpoint`` and put
+    back megatron-core's ``compile_helpers``."""
+    global _hook, _helpers_build
+    if hook and _hook is not None:
         stock, wrapper = _hook
         _bind_checkpoint_args(wrapper, stock)
         _hook = None
-    if _enabled_features:
-        revert(sorted(_enabled_features))
-        _enabled_features.clear()
-    global _helpers_build
-    if _helpers_build is not None:
+    if features:
+        revert(sorted(features))
+        _enabled_features.difference_update(features)
+    if helpers_build and _helpers_build is not None:
         utils, stock = _helpers_build
         utils.compile_helpers = stock
         _helpers_build = None
-
-
-# (megatron.core.datasets.utils, its compile_helpers) while enable() stands in for the build
-_helpers_build = None
 
 
 def _skip_dataset_helpers_build() -> None:
@@ -130,15 +139,23 @@ def _hook_checkpoint_args() -> None:
     global _hook
     if _hook is not None:
         return
-    stock = importlib.import_module(_CHECKPOINTING).load_args_from_checkpoint
+    stock = _checkpoint_args_owners()[0].load_args_from_checkpoint
     wrapper = _restoring_patch_args(stock)
     _bind_checkpoint_args(stock, wrapper)
     _hook = (stock, wrapper)
 
 
+def _checkpoint_args_owners() -> List[ModuleType]:
+    """The modules of ``_CHECKPOINT_ARGS_OWNERS``, all imported before any is changed."""
+    try:
+        return [importlib.import_module(name) for name in _CHECKPOINT_ARGS_OWNERS]
+    except ImportError as err:
+        raise ImportError(f"megatron_lm.enable() needs Megatron-LM's `megatron.training` importable "
+                          f"(a Megatron-LM checkout on PYTHONPATH): {err}") from err
+
+
 def _bind_checkpoint_args(current: Callable, new: Callable) -> None:
-    for name in _CHECKPOINT_ARGS_OWNERS:
-        module = importlib.import_module(name)
+    for module in _checkpoint_args_owners():
         if module.load_args_from_checkpoint is current:
             module.load_args_from_checkpoint = new
 

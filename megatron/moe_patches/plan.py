@@ -458,11 +458,17 @@ def _single_grouped_refusal(config, backend, support) -> Optional[str]:
         return None
     reasons = "; ".join(f"{name}: {why}" for name, why in support if why)
     holders = [b for b in BACKENDS if b.holds_single_grouped_params]
-    flags = " or ".join(sorted({flag_name(b.requested_by) for b in holders if b.requested_by}))
+    names = " or ".join(b.name for b in holders)
+    # the flags that ask for those backends, where the config has not set them yet
+    unset = sorted({flag_name(b.requested_by) for b in holders if b.requested_by and not patch_option(config, b.requested_by)})
+    if unset:
+        fix = (f"Use {' or '.join(unset)} (the {names} backend: bf16 or FP8 tensorwise or blockwise, "
+               "SwiGLU/quick-GEGLU, ETP 1, Hopper)")
+    else:
+        fix = f"Remove what keeps the {names} backend from running (its reason above)"
     return (
         f"{'/'.join(asked)}=True needs an expert backend that holds grouped parameters, and none "
-        f"can run this config ({reasons}). Use {flags} (the {' or '.join(b.name for b in holders)} backend: "
-        "bf16 or FP8 tensorwise or blockwise, SwiGLU/quick-GEGLU, ETP 1, Hopper) or drop the flag."
+        f"can run this config ({reasons}). {fix} or drop the flag."
     )
 
 

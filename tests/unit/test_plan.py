@@ -141,7 +141,10 @@ def test_single_grouped_params_refused_by_the_plan_name_every_backend(moe_config
     assert refusal.startswith("moe_single_grouped_weight=True needs an expert backend that holds grouped parameters")
     assert "grouped_mm: it needs bf16 parameters (params_dtype=torch.float32)" in refusal
     assert "op_fuser: use_transformer_engine_op_fuser is off" in refusal
-    assert "Use --moe-device-tokens-per-expert" in refusal and "drop the flag" in refusal
+    assert "--moe-device-tokens-per-expert" not in refusal  # given already: no fix to suggest it
+    assert "drop the flag" in refusal
+    config.moe_device_tokens_per_expert = False
+    assert "Use --moe-device-tokens-per-expert" in moe_plan.plan_for(config).single_grouped_refusal
 
 
 def test_the_dispatchers_options_per_exchange(moe_config):
