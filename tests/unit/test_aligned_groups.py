@@ -20,7 +20,7 @@ from megatron.moe_patches.experts.padding import NOBODY, PERMUTE, PaddingPlan
 from megatron.moe_patches.kernels import fp8_blockwise_quantize as bq
 
 from expert_shells import experts_shell
-from test_fp8_grouped_mm import fp8_config
+from expert_configs import fp8_config
 
 ALIGN = 128
 

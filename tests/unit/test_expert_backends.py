@@ -8,19 +8,12 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches.experts import grouped_mm as f8
 from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches import plan as moe_plan
-from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
 from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, NcclAllToAllDeviceCounts
 from megatron.moe_patches.kernels.weighted_glu import glu_spec
 
 import expert_shells as shells
-
-BASE = dict(
-    num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
-    moe_grouped_gemm=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-    add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, moe_device_tokens_per_expert=True,
-)
-
+from expert_configs import cfg
 
 def bf16_mlp(x, counts, probs, w1, w2, config, b1=None, b2=None):
     """The grouped_mm backend's bf16 MLP over rows grouped by ``counts``."""
@@ -28,14 +21,6 @@ def bf16_mlp(x, counts, probs, w1, w2, config, b1=None, b2=None):
     gemm = f8.bf16_grouped_gemm(groups)
     fc1, fc2 = (lambda x_TI: (gemm(None, x_TI, w1), b1)), (lambda x_TI: (gemm(None, x_TI, w2), b2))
     return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config))
-
-
-def cfg(**overrides):
-    late = {k: overrides.pop(k) for k in ("fp8", "fp8_recipe") if k in overrides}
-    config = PatchedTransformerConfig(**{**BASE, **overrides})
-    for name, value in late.items():
-        setattr(config, name, value)
-    return config
 
 
 SELECTION = [

@@ -14,7 +14,7 @@ from megatron.moe_patches.experts.grouped_mm import RowGroups
 from megatron.moe_patches.kernels import fp8_blockwise_quantize as bq
 from megatron.moe_patches.kernels import fp8_scaling as fs
 
-from test_fp8_grouped_mm import fp8_config
+from expert_configs import fp8_config
 
 COUNTS = [130, 0, 170, 16]  # an idle expert, segments that are not multiples of 128
 TAIL = 8  # rows past the last expert (F12's static bound): outside every group

@@ -9,10 +9,10 @@ import torch
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.experts import fp8_grouped_mm as fp8
-from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.experts.padding import NOBODY
 
 from expert_shells import ShellGroupedLinear, experts_shell
+from expert_configs import fp8_config
 
 E4M3_MAX = 448.0
 
@@ -141,21 +141,6 @@ def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
     torch.testing.assert_close(cache.weights.scale_inv_E.double(), scale_inv_ref, rtol=2.0**-23, atol=0)
     torch.testing.assert_close(deq.reshape(rows.shape), deq_ref, rtol=1e-6, atol=0)
     assert torch.equal(cache.weights.w8_EIO.float(), cache.weights.w8_EOI.transpose(1, 2).float())
-
-
-BASE = dict(
-    num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_ffn_hidden_size=64,
-    moe_grouped_gemm=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-    add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, moe_device_tokens_per_expert=True,
-)
-
-
-def fp8_config(**overrides):
-    late = {k: overrides.pop(k) for k in ("fp8", "fp8_recipe", "fp8_param") if k in overrides}
-    config = PatchedTransformerConfig(**{**BASE, **overrides})
-    for name, value in {"fp8": "e4m3", "fp8_recipe": "tensorwise", **late}.items():
-        setattr(config, name, value)
-    return config
 
 
 @pytest.fixture

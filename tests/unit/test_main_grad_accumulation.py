@@ -12,7 +12,7 @@ from megatron.moe_patches.experts import grouped_mm as f8
 from megatron.moe_patches.kernels import main_grad_accumulation as mga
 
 import expert_shells as shells
-from test_expert_backends import cfg
+from expert_configs import cfg
 
 
 def _float64_product(dy, x):

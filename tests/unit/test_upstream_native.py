@@ -15,7 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = os.environ.get("MOE_PATCHES_UPSTREAM_SITE")
 
 
-@pytest.mark.skipif(not UPSTREAM, reason="set MOE_PATCHES_UPSTREAM_SITE to a site dir holding upstream megatron-core 0.19.2")
+def _why_skip():
+    if not UPSTREAM:
+        return "set MOE_PATCHES_UPSTREAM_SITE to a site dir holding upstream megatron-core 0.19.2"
+    if not Path(UPSTREAM, "megatron", "core").is_dir():
+        return f"MOE_PATCHES_UPSTREAM_SITE={UPSTREAM} holds no megatron/core (install upstream megatron-core there)"
+    return None
+
+
+@pytest.mark.skipif(_why_skip() is not None, reason=_why_skip() or "")
 def test_upstream_native_features_install_nothing():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([UPSTREAM, os.environ.get("PYTHONPATH", ""), str(ROOT)]))
     code = (

@@ -1279,7 +1279,7 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute,
         cuda_graph_impl=args.cuda_graph_impl,
-        cuda_graph_scope=args.cuda_graph_scope or "full",
+        cuda_graph_scope=args.cuda_graph_scope or [],  # [] the whole layer ("full" is deprecated)
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         **{name: getattr(args, name) for name in CONFIG_FIELD_FLAGS},
