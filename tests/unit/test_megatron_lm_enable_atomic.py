@@ -3,13 +3,12 @@ leaves megatron-core and Megatron-LM as they were before the call, and the error
 missing. The fake ``megatron.training`` follows test_megatron_lm_integration.py's."""
 
 import sys
-import textwrap
-import types
 
 import pytest
 
-import megatron
 from megatron.moe_patches import apply, megatron_lm, revert, status
+
+from fake_megatron_lm import fake_training
 
 MISSING = ("megatron_lm.enable() needs Megatron-LM's `megatron.training` importable "
            "(a Megatron-LM checkout on PYTHONPATH): No module named 'megatron.training'")
@@ -52,20 +51,6 @@ def no_megatron_lm(monkeypatch):
     for name in [m for m in sys.modules if m == "megatron.training" or m.startswith("megatron.training.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_NoMegatronLM(), *sys.meta_path])
-
-
-def fake_training(monkeypatch, modules):
-    """A stand-in ``megatron.training`` package holding ``modules`` (name: source)."""
-    package = types.ModuleType("megatron.training")
-    package.__path__ = []
-    monkeypatch.setitem(sys.modules, "megatron.training", package)
-    monkeypatch.setattr(megatron, "training", package, raising=False)
-    for name, source in modules.items():
-        module = types.ModuleType(f"megatron.training.{name}")
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-        exec(textwrap.dedent(source), module.__dict__)
-        setattr(package, name, module)
-    return package
 
 
 CHECKPOINTING = """

@@ -14,18 +14,18 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
-import megatron
 import megatron.core.transformer.transformer_config as tc_module
 from megatron.moe_patches import apply, megatron_lm, revert, status
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.fields import PATCH_FIELD_NAMES, PATCH_FIELDS
+
+from fake_megatron_lm import fake_training as install_fake_training
 
 STOCK_CONFIG = tc_module.TransformerConfig
 SWITCHES = [f.name for f in PATCH_FIELDS if f.default is False]
@@ -122,15 +122,7 @@ FAKE_MODULES = {
 @pytest.fixture
 def fake_training(monkeypatch):
     """A stand-in ``megatron.training`` package (its modules as attributes)."""
-    package = types.ModuleType("megatron.training")
-    package.__path__ = []
-    monkeypatch.setitem(sys.modules, "megatron.training", package)
-    monkeypatch.setattr(megatron, "training", package, raising=False)
-    for name, source in FAKE_MODULES.items():
-        module = types.ModuleType(f"megatron.training.{name}")
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-        exec(textwrap.dedent(source), module.__dict__)
-        setattr(package, name, module)
+    package = install_fake_training(monkeypatch, FAKE_MODULES)
     yield package
     megatron_lm.disable()  # before the fake modules leave sys.modules
 
