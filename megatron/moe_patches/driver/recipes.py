@@ -23,8 +23,12 @@ sections alone. In a section, ``activation_func`` decides the MLP's activation o
 Recipes are read strictly, like the command line: an int flag takes an integer (not 2.7,
 not true, not a list), a float flag takes a number, an on/off flag takes true or false. A
 file that is not UTF-8, not YAML, holds a tag that builds Python objects, sets a key twice
-in one mapping or sets nothing is refused. Every ``RecipeError`` names the file and, where
-it is known, the line.
+in one mapping or sets nothing is refused. So is a file whose YAML aliases repeat more than
+``ALIAS_EXPANSION_VALUES`` values or ``ALIAS_EXPANSION_CHARACTERS`` characters beyond what it
+writes (an alias bomb: a few lines that expand to billions of values), or that nests values
+more than ``NESTING_LIMIT`` levels deep: both are refused while the file is composed, before a
+Python value is built. Every ``RecipeError`` names the file and, where it is known, the line;
+a value it echoes is shortened (``_spelled``), never printed whole.
 """
 
 import argparse
@@ -36,7 +40,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import yaml
 
-from megatron.moe_patches.fields import shown
+from megatron.moe_patches.fields import SHOWN_HEAD, SHOWN_LIMIT, shown
 
 NESTED_SECTIONS = ("language_model", "model_parallel")
 
@@ -94,13 +98,49 @@ class Recipe(dict):
         return self.written.get(dest, dest)
 
 
+def _repr_pieces(value, room: int):
+    """repr(value) in pieces, each at most about ``room`` characters: a list's items are
+    written one by one and a long string or bytes value is cut, so a caller that stops after
+    ``room`` characters never builds the whole repr of a large value."""
+    if type(value) in (list, dict, set) and value:  # what YAML's safe tags build; an empty set is set()
+        yield "[" if isinstance(value, list) else "{"
+        for index, item in enumerate(value):
+            if index:
+                yield ", "
+            yield from _repr_pieces(item, room)
+            if isinstance(value, dict):
+                yield ": "
+                yield from _repr_pieces(value[item], room)
+        yield "]" if isinstance(value, list) else "}"
+    elif isinstance(value, (str, bytes)) and len(value) > room:
+        yield repr(value[:room])[:-1]  # no closing quote: the value goes on
+        yield "..."
+    else:
+        yield repr(value)
+
+
+def _bounded_repr(value, limit: int = SHOWN_LIMIT) -> str:
+    """repr(value) when it is at most ``limit`` characters; else at least ``limit + 1`` of its
+    first characters (never many more), so a message can tell it was cut."""
+    text = ""
+    for piece in _repr_pieces(value, limit + 1):
+        text += piece
+        if len(text) > limit:
+            break
+    return text
+
+
 def _spelled(value) -> str:
-    """A value as YAML spells it (null, true) for messages, a long one shortened."""
+    """A value as YAML spells it (null, true) for messages, a long one shortened without
+    building its whole repr (a list may repeat a long string many times)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(shown(value)) if isinstance(value, str) else shown(repr(value))
+    if isinstance(value, str):
+        return repr(shown(value))
+    text = _bounded_repr(value)
+    return text if len(text) <= SHOWN_LIMIT else f"{text[:SHOWN_HEAD]}... (over {SHOWN_LIMIT} characters)"
 
 
 def _dest(key: str) -> str:
@@ -171,7 +211,8 @@ def _unflagged_field(parser: argparse.ArgumentParser, setting: Setting) -> bool:
     default = _config_field_defaults()[setting.dest]
     if setting.value != default:
         raise RecipeError(f"'{setting.key}' {_spelled(setting.value)}: this driver builds the TransformerConfig "
-                          f"with megatron-core's {setting.dest}={default!r} (no flag sets it); leave it out",
+                          f"with megatron-core's {setting.dest}={_bounded_repr(default)} (no flag sets it); "
+                          "leave it out",
                           setting.line)
     return True
 
@@ -268,8 +309,108 @@ def _read_text(path: str) -> str:
 ENV_REFERENCE = re.compile(r"\$\{([^}]*)\}")
 
 
+# What a recipe's YAML may hold. Aliases (``*name``) may repeat at most this many values, and
+# this many characters of scalar text, beyond those the file writes itself: a few lines of
+# aliases referring to aliases can otherwise stand for billions of values, which anything
+# that walks or prints the result (a message's repr, a comparison) would never finish.
+ALIAS_EXPANSION_VALUES = 10_000
+ALIAS_EXPANSION_CHARACTERS = 1_000_000
+# Values nested in values (a mapping is one level, a list in it a second), aliases followed:
+# PyYAML composes and Python prints nested values recursively, so a deep file would end in
+# a RecursionError. Megatron-LM's recipes nest three levels.
+NESTING_LIMIT = 64
+
+
 class _RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, plus ``${NAME}`` expansion in plain (unquoted) scalars."""
+    """PyYAML's safe loader, plus ``${NAME}`` expansion in plain (unquoted) scalars, and the
+    limits above: nesting is counted as the file is composed, and the document's values with
+    its aliases followed are counted once it is composed, before any Python value is built."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self._written_values = 0
+        self._written_characters = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            return super().compose_node(parent, index)  # a node composed before: counted there
+        if self._depth >= NESTING_LIMIT:
+            raise RecipeError(_too_deep(), self.peek_event().start_mark.line + 1)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        self._written_values += 1
+        if isinstance(node, yaml.ScalarNode):
+            self._written_characters += len(node.value)
+        return node
+
+    def compose_document(self):
+        node = super().compose_document()
+        _check_expansion(node, self._written_values + ALIAS_EXPANSION_VALUES,
+                         self._written_characters + ALIAS_EXPANSION_CHARACTERS)
+        return node
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except RecipeError:
+            raise
+        except ValueError as err:  # a date out of range, an int over Python's 4300 digits, ...
+            tag = shown(node.tag.replace("tag:yaml.org,2002:", "!!"))
+            what = _spelled(node.value) if isinstance(node, yaml.ScalarNode) else "a value"
+            raise RecipeError(f"cannot read {what} as {tag}: {shown(err)}", node.start_mark.line + 1) from None
+
+
+def _too_deep() -> str:
+    return f"values nested more than {NESTING_LIMIT} levels deep (YAML aliases followed); a recipe nests a few levels"
+
+
+def _check_expansion(root, most_values: int, most_characters: int) -> None:
+    """RecipeError where the document under ``root``, its aliases followed, holds more than
+    ``most_values`` values or ``most_characters`` characters of scalar text, nests deeper
+    than NESTING_LIMIT, or holds itself (an alias inside the value it names).
+
+    Each node is measured once (an alias reuses the measure of the node it names), so this
+    takes time in the size of the file, not of the expansion. The walk recurses only into
+    nodes not measured yet, which nest as deep as the file is written (NESTING_LIMIT at most).
+    """
+    measured: Dict[int, Tuple[int, int, int]] = {}  # id(node) -> (values, characters, levels)
+    open_nodes = set()
+
+    def measure(node, level: int) -> Tuple[int, int, int]:
+        known = measured.get(id(node))
+        if known is not None:
+            return known
+        line = node.start_mark.line + 1
+        if id(node) in open_nodes:
+            raise RecipeError("a YAML alias refers to a value that holds it: it would expand without end", line)
+        if isinstance(node, yaml.ScalarNode):
+            measured[id(node)] = (1, len(node.value), 1)
+            return measured[id(node)]
+        children = node.value if isinstance(node, yaml.SequenceNode) else [part for pair in node.value for part in pair]
+        open_nodes.add(id(node))
+        values, characters, levels = 1, 0, 1
+        for child in children:
+            child_values, child_characters, child_levels = measure(child, level + 1)
+            values, characters = values + child_values, characters + child_characters
+            levels = max(levels, child_levels + 1)
+            if values > most_values:
+                raise RecipeError(f"YAML aliases expand to more than {ALIAS_EXPANSION_VALUES} values beyond those "
+                                  "the file writes (an alias bomb?); write the values out", line)
+            if characters > most_characters:
+                raise RecipeError(f"YAML aliases expand to more than {ALIAS_EXPANSION_CHARACTERS} characters of text "
+                                  "beyond those the file writes (an alias bomb?); write the values out", line)
+            if level + levels - 1 > NESTING_LIMIT:
+                raise RecipeError(_too_deep(), line)
+        open_nodes.discard(id(node))
+        measured[id(node)] = (values, characters, levels)
+        return measured[id(node)]
+
+    if root is not None:
+        measure(root, 1)
 
 
 def _expand_environment(loader: _RecipeLoader, node: yaml.ScalarNode) -> str:
@@ -279,7 +420,7 @@ def _expand_environment(loader: _RecipeLoader, node: yaml.ScalarNode) -> str:
         value = os.environ.get(match.group(1))
         if value is None:
             raise RecipeError(f"environment variable {shown(repr(match.group(1)))} is not set (the recipe reads "
-                              f"{match.group(0)})", node.start_mark.line + 1)
+                              f"{shown(match.group(0))})", node.start_mark.line + 1)
         return value
 
     return ENV_REFERENCE.sub(variable, text)
@@ -298,12 +439,12 @@ def _yaml_error(path: str, err: yaml.YAMLError) -> RecipeError:
         tag = problem.split("'")[1] if problem.count("'") >= 2 else problem
         tag = tag.replace("tag:yaml.org,2002:", "!!")
         return RecipeError(
-            f"{where}: unsupported YAML tag {tag}: a recipe holds plain values (numbers, strings, "
+            f"{where}: unsupported YAML tag {shown(tag)}: a recipe holds plain values (numbers, strings, "
             "true/false, lists); tags that build Python objects are refused"
         )
     column = f" (column {mark.column + 1})" if mark is not None else ""
-    said = f"{context}, {problem}" if context else problem
-    return RecipeError(f"{where}: invalid YAML: {said}{column}")
+    said = f"{context}, {problem}" if context else problem  # PyYAML's words may quote the file (an alias's name)
+    return RecipeError(f"{where}: invalid YAML: {shown(said)}{column}")
 
 
 def _key_lines(path: str, node) -> Dict[Tuple[Optional[str], str], int]:
