@@ -10,8 +10,8 @@ Two entry points:
 
 - ``grouped_wgrad_into_main_grad``: the experts' grouped weight gradient,
   ``main_grad[e] += dy_TO[rows of e]^T @ x_TI[rows of e]`` for every local expert in one
-  Triton kernel (each output tile's fp32 sum starts from the old main_grad value, read and
-  written once), with the experts' rows as device offsets (no host sync, graph-safe). The
+  Triton kernel (fp32 accumulation; the old fp32 value is read and added once, in the
+  epilogue), with the experts' rows as device offsets (no host sync, graph-safe). The
   targets are given as a device table of fp32 [O, I] addresses (``MainGradTable``), so the
   per-expert parameters' ``main_grad`` views need not be adjacent in DDP's buffer.
 - ``APEX_WGRAD``: what megatron-core's non-TE linear layers take from APEX's
@@ -135,11 +135,7 @@ def _kernel():
             i = i0 + tl.arange(0, BI)
             o_in = o < O
             i_in = i < I
-            # the sum starts from the old gradient: its load is in flight while the first rows arrive
-            grad_ptr = tl.load(table_ptr + e).to(tl.pointer_type(tl.float32))
-            at = o.to(tl.int64)[:, None] * I + i[None, :]
-            inside = o_in[:, None] & i_in[None, :]
-            acc = tl.load(grad_ptr + at, mask=inside, other=0.0)
+            acc = tl.zeros((BO, BI), dtype=tl.float32)
             for t0 in range(start, end, BT):
                 t = t0 + tl.arange(0, BT)
                 t_in = t < end
@@ -148,7 +144,10 @@ def _kernel():
                 x = tl.load(x_ptr + t.to(tl.int64)[:, None] * I + i[None, :],
                             mask=t_in[:, None] & i_in[None, :], other=0.0)
                 acc = tl.dot(tl.trans(dy), x, acc)
-            tl.store(grad_ptr + at, acc, mask=inside)
+            grad_ptr = tl.load(table_ptr + e).to(tl.pointer_type(tl.float32))
+            at = o.to(tl.int64)[:, None] * I + i[None, :]
+            inside = o_in[:, None] & i_in[None, :]
+            tl.store(grad_ptr + at, tl.load(grad_ptr + at, mask=inside, other=0.0) + acc, mask=inside)
 
     return grouped_wgrad_accumulate_kernel
 
