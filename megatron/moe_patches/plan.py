@@ -460,7 +460,8 @@ def _single_grouped_refusal(config, backend, support) -> Optional[str]:
     holders = [b for b in BACKENDS if b.holds_single_grouped_params]
     names = " or ".join(b.name for b in holders)
     # the flags that ask for those backends, where the config has not set them yet
-    unset = sorted({flag_name(b.requested_by) for b in holders if b.requested_by and not patch_option(config, b.requested_by)})
+    unset = sorted({flag_name(b.requested_by) for b in holders
+                    if b.requested_by and not patch_option(config, b.requested_by)})
     if unset:
         fix = (f"Use {' or '.join(unset)} (the {names} backend: bf16 or FP8 tensorwise or blockwise, "
                "SwiGLU/quick-GEGLU, ETP 1, Hopper)")

@@ -144,8 +144,8 @@ def test_a_step_that_changes_nothing_the_counters_see_needs_the_schedules_mark()
 
 
 def test_disabled_parameter_transpose_caches_requantize_every_forward():
-    """--disable-parameter-transpose-cache: megatron-core's TE layers then requantize their
-    weights at every forward; so do these."""
+    """megatron-core's disable_parameter_transpose_cache config field: its TE layers then
+    requantize their weights at every forward; so do these."""
     owner, backend = fp8_backend()
     for linear in (owner.linear_fc1, owner.linear_fc2):
         linear.disable_parameter_transpose_cache = True  # megatron-core's TE wrapper copies the config's

@@ -483,11 +483,12 @@ def _check_symmetric_exchange_node(args: argparse.Namespace, world: int) -> None
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     group = etp * args.expert_model_parallel_size
     if group > per_node or per_node % group:
-        raise ValueError(f"--moe-symmetric-exchange with --expert-model-parallel-size {args.expert_model_parallel_size} "
-                         f"(x expert TP {etp}) needs each expert-parallel group on one node, but the launcher "
-                         f"starts {per_node} ranks per node (LOCAL_WORLD_SIZE): use an EP of at most "
-                         f"{max(per_node // etp, 1)} that divides it, or drop --moe-symmetric-exchange (NCCL's all-to-all "
-                         "crosses nodes)")
+        ep = args.expert_model_parallel_size
+        raise ValueError(f"--moe-symmetric-exchange with --expert-model-parallel-size {ep} (x expert TP {etp}) "
+                         "needs each expert-parallel group on one node, but the launcher starts "
+                         f"{per_node} ranks per node (LOCAL_WORLD_SIZE): use an EP of at most "
+                         f"{max(per_node // etp, 1)} that divides it, or drop --moe-symmetric-exchange "
+                         "(NCCL's all-to-all crosses nodes)")
 
 
 def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.Namespace:

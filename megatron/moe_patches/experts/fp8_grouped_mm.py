@@ -80,10 +80,10 @@ class FP8WeightCache:
     step (megatron-core's schedules set the FC module's ``is_first_microbatch`` through
     ``MegatronModule.set_is_first_microbatch``: the optimizer has stepped since) and when a
     weight was written in place through the parameter (its version counter, e.g. a checkpoint
-    load); at every forward under --disable-parameter-transpose-cache. Megatron's optimizers
-    write the parameters where no version counter sees it (the Float16 optimizer through
-    ``.data``, the distributed optimizer into DDP's buffer), so the counter alone would keep the
-    first step's copies. A refresh writes into the same tensors: a CUDA graph that captured GEMMs
+    load); at every forward under megatron-core's disable_parameter_transpose_cache config
+    field. Megatron's optimizers write the parameters where no version counter sees it (the
+    Float16 optimizer through ``.data``, the distributed optimizer into DDP's buffer), so the
+    counter alone would keep the first step's copies. A refresh writes into the same tensors: a CUDA graph that captured GEMMs
     reading them (F11) reads the current copies after each refresh, which runs outside it."""
 
     def __init__(self, quantize=None):
