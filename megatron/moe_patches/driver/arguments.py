@@ -7,7 +7,8 @@ for what the driver does not do. ``parse_args`` = defaults < ``--yaml-cfg`` reci
 command line, then, before any CUDA or NCCL work: ``first_refusal`` (those flags),
 ``check_environment`` (the variables the run reads), ``apply_megatron_lm_rules`` (what
 Megatron-LM makes of the flags as given), ``check_load`` (what ``--load`` holds;
-``--use-checkpoint-args`` takes the checkpoint's model args here), ``check_args``
+``--use-checkpoint-args`` takes the checkpoint's model args here, else its model shape must be
+this run's), ``check_args``
 (Megatron-LM's required flags, ``INT_RANGES``, contradictions, parallel sizes against
 ``WORLD_SIZE``, the data files and output directories) and ``validate_config`` (the full
 TransformerConfig with the patch fields, built as ``training.setup`` builds it). Every
@@ -37,7 +38,7 @@ import torch
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
-from megatron.moe_patches.driver.patch_args import add_moe_patch_args, config_kwargs_from_args
+from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
 
@@ -586,7 +587,9 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
     and training starts from scratch, or an error with ``--exit-on-missing-checkpoint``
     and with ``--use-checkpoint-args``. A ``--load`` that is a file, or a tracker that does
     not name a saved iteration, is an error naming the file. With ``--use-checkpoint-args``
-    the checkpoint's model args are taken here. Returns the checkpoint directory or None.
+    the checkpoint's model args are taken here, each of a type its flag gives; without it, a
+    checkpoint whose saved args give the model other shapes (``MODEL_SHAPE``) is refused.
+    Returns the checkpoint directory or None.
     """
     if not args.load:
         for flag, dest in (("--use-checkpoint-args", "use_checkpoint_args"),
@@ -610,10 +613,126 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
              "(--exit-on-missing-checkpoint makes this an error)")
         return None
     if args.use_checkpoint_args:
-        taken = checkpointing.restore_args(args, checkpointing.saved_args(args.load))
+        saved = checkpointing.saved_args(args.load)
+        _check_saved_types(saved, [*checkpointing.MODEL_ARGS, *(arg.name for arg in CHECKPOINT_RESTORED_ARGS)], path,
+                           "drop --use-checkpoint-args and give the model flags, or point --load at another checkpoint")
+        taken = checkpointing.restore_args(args, saved)
         if _rank() == 0:
             print(f"--use-checkpoint-args: took {sorted(taken)} from {path}", flush=True)
+    else:
+        saved = checkpointing.args_saved_at(path)
+        if saved is not None:  # a checkpoint saved without args has no shape to compare
+            _check_saved_types(saved, MODEL_SHAPE, path, "point --load at another checkpoint")
+            _check_model_shape(args, saved, path)
     return path
+
+
+def _ffn_default(values: dict) -> Optional[int]:
+    hidden = values.get("hidden_size")
+    if hidden is None:
+        return None
+    return megatron_lm_ffn_hidden_size(argparse.Namespace(hidden_size=hidden, swiglu=bool(values.get("swiglu"))))
+
+
+def _kv_channels_default(values: dict) -> Optional[int]:
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    return hidden // heads if hidden and heads and hidden % heads == 0 else None
+
+
+def _shape_value(values: dict, name: str):
+    """The value of the shape arg ``name`` the model is built with, from a run's or a checkpoint's args."""
+    value = values.get(name)
+    return MODEL_SHAPE[name](values) if value is None and MODEL_SHAPE[name] is not None else value
+
+
+# The args that fix the shapes of the model's tensors, each with the value the model is built
+# with where it is unset (a function of the other args), or None: unset is no such size (no
+# experts, no shared expert), or, for the required flags, not given (check_args says so).
+# seq_length and the like are not shapes. A checkpoint of other shapes is another model:
+# megatron-core refuses its tensors only after start-up, and loads an embedding table of another
+# vocabulary without a word (the rows both have, the rest zeros).
+MODEL_SHAPE: Dict[str, Optional[Callable[[dict], object]]] = {
+    "num_layers": None,
+    "hidden_size": None,
+    "ffn_hidden_size": _ffn_default,
+    "swiglu": None,  # FC1 holds two projections with it (and the default FFN size is 2/3)
+    "num_attention_heads": None,
+    "num_query_groups": lambda values: values.get("num_attention_heads"),  # unset: one per head
+    "kv_channels": _kv_channels_default,
+    "num_experts": None,
+    "moe_ffn_hidden_size": lambda values: _shape_value(values, "ffn_hidden_size") if values.get("num_experts") else None,
+    "moe_shared_expert_intermediate_size": None,
+    "vocab_size": None,  # the token ids, end of document included (the embedding table's rows, unpadded)
+}
+
+
+def _check_model_shape(args: argparse.Namespace, saved: dict, path: str) -> None:
+    """Refuse a checkpoint whose saved args give the model another shape than this run's flags.
+    Compared: each ``MODEL_SHAPE`` arg the checkpoint saved. A value the run derives (it did
+    not give the flag) is not reported where the checkpoint's own args derive the saved one, or
+    where the run has no such size: the flags it derives from differ, and are reported."""
+    run = vars(args)
+    null_tokenizer = args.tokenizer_type == megatron_lm_flags.NULL_TOKENIZER
+    differences = []
+    for name, default in MODEL_SHAPE.items():
+        if name not in saved:
+            continue  # saved before the arg existed
+        saved_value, run_value = _shape_value(saved, name), _shape_value(run, name)
+        if default is None and name in REQUIRED and (saved_value is None or run_value is None):
+            continue
+        derived = run[name] is None and default is not None
+        if saved_value == run_value or (derived and (run_value is None or default(saved) == saved_value)):
+            continue
+        shown_values = []
+        for value in (saved_value, run_value):
+            if isinstance(value, bool):
+                value = "on" if value else "off"
+            elif name == "vocab_size" and null_tokenizer and isinstance(value, int):
+                value -= 1  # as this run's --vocab-size counts it (NullTokenizer adds the end of document)
+            shown_values.append("none" if value is None else _saved_text(value))
+        differences.append(f"{_flag(name)} {shown_values[0]}, this run has {shown_values[1]}")
+    if differences:
+        raise ValueError(f"--load {path} was saved with {'; '.join(differences)}: give the same model flags, or "
+                         "--use-checkpoint-args to take them from the checkpoint")
+
+
+def _saved_text(value, typed: bool = False) -> str:
+    """A value from a checkpoint's args as a message shows it, never built whole where it may be
+    long: a str (quoted where ``typed``) or a number of at most 64 bits shortened as ``shown``
+    does; anything else by its type only. ``typed``: with its type."""
+    kind = type(value).__name__
+    if isinstance(value, (str, float)) or (isinstance(value, int) and value.bit_length() <= 64):
+        text = repr(shown(value)) if isinstance(value, str) and typed else shown(value)
+        return f"{text} (type {kind})" if typed else text
+    return f"of type {kind}"
+
+
+# What a saved arg of a flag of each type may hold (a bool is no number here), and its name.
+SAVED_TYPES = {int: (int, "an int"), float: ((int, float), "a number"), str: (str, "a str")}
+
+
+def _check_saved_types(saved: dict, names, path: str, fix: str) -> None:
+    """Refuse a checkpoint whose saved args hold, for one of ``names``, a value its flag could not
+    give: another type (a str where an int belongs, an int for an on/off flag) or a value not
+    among the flag's choices. Unset (None) is no value."""
+    actions = _parser_actions()
+    for name in names:
+        value, action = saved.get(name), actions.get(name)
+        if value is None or action is None:
+            continue
+        if action.nargs == 0:
+            wanted, fits = "on/off (a bool)", isinstance(value, bool)
+        elif action.type in SAVED_TYPES:
+            types, wanted = SAVED_TYPES[action.type]
+            fits = isinstance(value, types) and not isinstance(value, bool)
+        else:
+            wanted, fits = "", True
+        if fits and action.choices is not None:
+            wanted, fits = f"one of {', '.join(map(str, action.choices))}", value in action.choices
+        if not fits:
+            raise ValueError(f"--load {path} was saved with {_flag(name)} {_saved_text(value, typed=True)}, "
+                             f"which is not {wanted}: its saved args are not ones "
+                             f"pretrain_gpt.py reads; {fix}")
 
 
 class IntRange(NamedTuple):
@@ -974,10 +1093,17 @@ OUTPUT_DIRS = ("save", "tensorboard_dir", "data_cache_path")
 
 def _check_output_dir(flag: str, path: str) -> None:
     """``path`` is a writable directory or can be made one: its nearest existing ancestor is
-    a writable directory. Nothing is made here."""
+    a writable directory, and nothing on the way is a symbolic link to a missing target (the
+    run could make no directory there). Nothing is made here."""
     target = os.path.abspath(path)
     existing = target
     while not os.path.exists(existing):
+        if os.path.islink(existing):
+            link = os.readlink(existing)
+            what = "a symbolic link" if existing == target else f"inside {shown(existing)}, a symbolic link"
+            raise ValueError(f"{flag} {shown(path)}: {what} to {shown(link)}, which does not exist: make that "
+                             f"directory (mkdir -p {shown(os.path.join(os.path.dirname(existing), link))}), "
+                             "or give another path")
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         what = "a file" if existing == target else f"inside {shown(existing)}, a file"
@@ -989,8 +1115,13 @@ def _check_output_dir(flag: str, path: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _parser_actions() -> Dict[str, argparse.Action]:
+    return {action.dest: action for action in build_parser()._actions}
+
+
+@functools.lru_cache(maxsize=None)
 def _parser_defaults() -> Dict[str, object]:
-    return {action.dest: action.default for action in build_parser()._actions}
+    return {dest: action.default for dest, action in _parser_actions().items()}
 
 
 def _check_only_with(args: argparse.Namespace) -> None:

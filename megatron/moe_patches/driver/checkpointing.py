@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from typing import Iterator, List, Optional, Tuple
 
 from megatron.moe_patches.driver import compat
@@ -192,21 +193,44 @@ class CheckpointError(ValueError):
     """A ``--load`` that cannot be used; the message names the file and the fix."""
 
 
+# The most of a tracker file that is read: an iteration number is a few digits, so a longer
+# file (it may be anything, gigabytes of it) is refused from its first bytes, never read whole.
+TRACKER_READ_LIMIT = 64
+
+
+def _os_error(err: OSError) -> str:
+    """What an OS error says went wrong, without the path it names (the message names it)."""
+    return err.strerror or type(err).__name__
+
+
 def latest_iteration(root: str) -> Optional[int]:
-    """The iteration the tracker file under ``root`` names; None without a tracker."""
+    """The iteration the tracker file under ``root`` names; None without a tracker. At most
+    ``TRACKER_READ_LIMIT`` bytes of it are read: a longer one is not an iteration number."""
     tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
+    cannot_read = f"cannot read the checkpoint tracker {tracker}"
+    fix = "give this user read access to it, or point --load elsewhere"
     try:
-        with open(tracker, encoding="utf-8") as handle:
-            text = handle.read().strip()
-    except (OSError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"cannot read the checkpoint tracker {tracker}: {err}") from None
+        if not stat.S_ISREG(os.stat(tracker).st_mode):
+            return None  # a directory of that name is no tracker
+        with open(tracker, "rb") as handle:
+            head = handle.read(TRACKER_READ_LIMIT + 1)
+            size = os.fstat(handle.fileno()).st_size
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise CheckpointError(f"{cannot_read}: {_os_error(err)}; {fix}") from None
+    not_a_number = ("not an iteration number: write the iteration of a saved checkpoint into it (e.g. 100 for "
+                    "iter_0000100) or point --load elsewhere")
+    if len(head) > TRACKER_READ_LIMIT:
+        start = head[:40].decode("utf-8", errors="replace")
+        raise CheckpointError(f"the checkpoint tracker {tracker} holds {max(size, len(head))} bytes, starting "
+                              f"{start!r}, {not_a_number}")
+    try:
+        text = head.decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{cannot_read}: {err}") from None
     if not re.fullmatch(r"[0-9]+", text):
-        raise CheckpointError(
-            f"the checkpoint tracker {tracker} holds {text[:40]!r}, not an iteration number: write the "
-            f"iteration of a saved checkpoint into it (e.g. 100 for iter_0000100) or point --load elsewhere"
-        )
+        raise CheckpointError(f"the checkpoint tracker {tracker} holds {text[:40]!r}, {not_a_number}")
     return int(text)
 
 
@@ -300,6 +324,9 @@ def incomplete_reason(path: str) -> Optional[str]:
     """
     if not os.path.isdir(path):
         return "it is not a directory"
+    error = _unreadable(path)
+    if error is not None:
+        return f"it cannot be read: {_os_error(error)}"
     if not os.listdir(path):
         return "it is empty"
     problem = _config_problem(path)
@@ -347,27 +374,54 @@ def _unusable_iteration(root: str, iteration: int, path: str) -> CheckpointError
                            f"but {what}; {fix}")
 
 
+def _unreadable(folder: str) -> Optional[OSError]:
+    """The OS error that listing the directory ``folder`` or looking up an entry in it raises
+    (no read or no execute permission); None where both work."""
+    try:
+        for name in os.listdir(folder)[:1]:
+            os.lstat(os.path.join(folder, name))
+    except OSError as err:
+        return err
+    return None
+
+
+def _check_readable(root: str, folder: str) -> None:
+    error = _unreadable(folder)
+    if error is not None:
+        raise CheckpointError(f"--load {root}: cannot read {folder}: {_os_error(error)}; give this user read and "
+                              "execute permission on it (chmod u+rx), or point --load elsewhere")
+
+
 def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
     """(the checkpoint directory ``--load root`` resumes from, None) or (None, why there is none).
 
     No directory, an empty one or one without a tracker file is "no checkpoint" (Megatron-LM
     trains from scratch then). A ``root`` that is a file, a tracker that is not an iteration
     number, or one naming an iteration whose directory is missing or not a complete checkpoint
-    (``incomplete_reason``) raises CheckpointError naming the file and the fix. A save killed
-    between its two renames (``_publish``) left the named iteration under its ``.replaced``
-    name, complete: that is the checkpoint then.
+    (``incomplete_reason``) raises CheckpointError naming the file and the fix, and so does
+    a ``root``, tracker or named iteration this user cannot read (the OS error named). A save
+    killed between its two renames (``_publish``) left the named iteration under its
+    ``.replaced`` name, complete: that is the checkpoint then.
     """
-    if not os.path.exists(root):
+    try:
+        os.stat(root)
+    except (FileNotFoundError, NotADirectoryError):
         return None, "no such directory"
+    except OSError as err:  # a parent this user may not enter, a symlink loop
+        raise CheckpointError(f"--load {root}: cannot read it: {_os_error(err)}; give this user access to it and "
+                              "its parent directories, or point --load elsewhere") from None
     if not os.path.isdir(root):
         raise CheckpointError(
             f"--load {root} is a file, not a checkpoint directory: point --load at the directory "
             f"that holds {TRACKER} and the iter_* directories"
         )
+    _check_readable(root, root)
     iteration = latest_iteration(root)
     if iteration is None:
         return None, "the directory is empty" if not os.listdir(root) else f"no checkpoint there (no {TRACKER})"
     path = iteration_dir(root, iteration)
+    if os.path.isdir(path):
+        _check_readable(root, path)
     if os.path.lexists(path):
         if incomplete_reason(path) is None:
             return path, None
@@ -526,6 +580,18 @@ def saved_args(root: str) -> dict:
     path, missing = find_checkpoint(root)
     if path is None:
         raise CheckpointError(f"--load {root}: {missing}")
+    saved = args_saved_at(path)
+    if saved is None:
+        raise CheckpointError(
+            f"{path} holds no saved args (a checkpoint of neither pretrain_gpt.py nor Megatron-LM); point "
+            "--load at one of theirs, or drop --use-checkpoint-args"
+        )
+    return saved
+
+
+def args_saved_at(path: str) -> Optional[dict]:
+    """The args dict saved with the checkpoint at ``path`` (an iteration directory), as
+    ``saved_args`` returns it; None where its common state holds none."""
     try:
         saved = read_common_state(path).get("args")
     except CheckpointError:
@@ -538,12 +604,7 @@ def saved_args(root: str) -> dict:
         ) from None
     if isinstance(saved, argparse.Namespace):  # saved by Megatron-LM
         return args_from_megatron_lm(saved, path)
-    if not isinstance(saved, dict):
-        raise CheckpointError(
-            f"{path} holds no saved args (a checkpoint of neither pretrain_gpt.py nor Megatron-LM); point "
-            "--load at one of theirs, or drop --use-checkpoint-args"
-        )
-    return saved
+    return saved if isinstance(saved, dict) else None
 
 
 def saved_concatenated_fc1(model_state, memory_size: int):
