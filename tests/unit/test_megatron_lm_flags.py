@@ -242,13 +242,14 @@ def test_flags_megatron_lm_does_not_have_stay_argparse_errors(refused):
     assert refused([*REQUIRED, "--eval-iterz", "5"]) == "unrecognized arguments: --eval-iterz 5"
 
 
-def test_pretrain_gpt_refuses_with_one_line_and_exit_2():
+def test_pretrain_gpt_refuses_with_one_line_each_and_exit_2():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     run = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "pretrain_gpt.py"), *REQUIRED,
                           "--eval-interval", "1000", "--eval-iters", "10"],
                          capture_output=True, text=True, cwd=ROOT, env=env)
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.splitlines() == [f"pretrain_gpt.py: error: --eval-interval: {megatron_lm_flags.EVALUATION}"]
+    assert run.stderr.splitlines() == [f"pretrain_gpt.py: error: --eval-interval: {megatron_lm_flags.EVALUATION}",
+                                       f"pretrain_gpt.py: error: --eval-iters: {megatron_lm_flags.EVALUATION}"]
 
 
 # --- Megatron-LM's defaults and rules, as the driver runs them -----------------------------

@@ -4,8 +4,10 @@ config mapping.
 The flags the driver runs are defined here with Megatron-LM's names and defaults; its
 other flags come from ``megatron_lm_flags``, which refuses each by name where it asks
 for what the driver does not do. ``parse_args`` = defaults < ``--yaml-cfg`` recipe <
-command line, then, before any CUDA or NCCL work: ``first_refusal`` (those flags),
-``check_environment`` (the variables the run reads), ``apply_megatron_lm_rules`` (what
+command line, then, before any CUDA or NCCL work: the checks of each setting on its own,
+every problem found and all printed together (the recipe's keys, ``all_refusals`` of those
+flags, ``given_value_problems``: empty paths, integer ranges, float domains); then, where there
+is none, ``check_environment`` (the variables the run reads), ``apply_megatron_lm_rules`` (what
 Megatron-LM makes of the flags as given), ``check_load`` (what ``--load`` holds;
 ``--use-checkpoint-args`` takes the checkpoint's model args here, else its model shape must be
 this run's), ``check_args``
@@ -390,8 +392,17 @@ class DriverArgumentParser(argparse.ArgumentParser):
     ``--help`` still lists them.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: List[str] = []  # problems found before argparse reads the command line
+
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {shorten_long_values(message)}\n")
+        self.errors(self.pending + [message])
+
+    def errors(self, messages: List[str]):
+        """All of ``messages`` at once: one ``prog: error: ...`` line each (more where a message
+        has several lines), exit status 2."""
+        self.exit(2, "".join(f"{self.prog}: error: {shorten_long_values(message)}\n" for message in messages))
 
 
 PROG = "pretrain_gpt.py"
@@ -503,26 +514,30 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     first, _ = parser.parse_known_args(argv)
     recipe = Recipe()
     if first.yaml_cfg:
+        bad_keys: List[RecipeError] = []  # the recipe's bad keys, all of them; the others are applied
         try:
-            recipe = load_recipe(first.yaml_cfg, parser)
-            apply_recipe(parser, recipe, getattr(recipe, "path", None) or first.yaml_cfg)
-        except RecipeError as err:
+            recipe = load_recipe(first.yaml_cfg, parser, bad_keys)
+            apply_recipe(parser, recipe, getattr(recipe, "path", None) or first.yaml_cfg, bad_keys)
+        except RecipeError as err:  # a file that is no recipe (YAML syntax, an alias bomb, empty)
             parser.error(str(err))
         except OSError as err:  # a --yaml-cfg that names no file and no built-in recipe
             message = str(err)
             parser.error(message if message.startswith("--yaml-cfg") else f"--yaml-cfg {shown(first.yaml_cfg)}: {message}")
-    args = parser.parse_args(argv)  # unknown flags: argparse names them and exits
+        parser.pending = [str(problem) for problem in bad_keys]
+    args = parser.parse_args(argv)  # unknown flags: argparse names them (after the recipe's problems) and exits
 
     def warn(message: str) -> None:
         if _rank() == 0:
             print(f"{parser.prog}: warning: {message}", file=sys.stderr, flush=True)
 
-    refused = megatron_lm_flags.first_refusal(args, given_settings(parser, argv, recipe))
-    if refused:
-        parser.error(refused)
+    # The checks of each setting on its own: every problem found, then all printed together.
+    problems = parser.pending + megatron_lm_flags.all_refusals(args, given_settings(parser, argv, recipe))
     megatron_lm_flags.drop_refused(args)
+    problems += given_value_problems(args)
+    if problems:
+        parser.errors(problems)
+    parser.pending = []
     try:
-        check_given_values(args)
         world_size = check_environment(args)
         apply_megatron_lm_rules(args, warn)
         check_load(args, warn)
@@ -535,7 +550,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
 
 def given_settings(parser: argparse.ArgumentParser, argv: List[str], recipe: Recipe) -> List[Tuple[str, str]]:
     """(dest, how it was given) for each flag on the command line, in order, then each key
-    the recipe sets: what ``megatron_lm_flags.first_refusal`` judges, and names in its message."""
+    the recipe sets: what ``megatron_lm_flags.all_refusals`` judges, and names in its messages."""
     options = parser._option_string_actions  # argparse has no public lookup
     given = []
     for token in argv:
@@ -837,40 +852,74 @@ def _check_int_range(name: str, value: int) -> None:
         raise ValueError(f"{_flag(name)} {shown(value)}: must be at most {limits.high} ({limits.why})")
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    for name in PATH_FLAGS:
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        entries = value if isinstance(value, list) else [value]
-        if not entries or any(not str(entry).strip() for entry in entries):
-            given = "with no value" if not entries else shown(repr(value))
-            raise ValueError(f"{_flag(name)} {given}: an empty path (an unset shell variable?): give the "
-                             f"{'dataset prefixes' if name == 'data_path' else 'path'}, or drop the flag")
+def _check_path(args: argparse.Namespace, name: str) -> None:
+    value = getattr(args, name, None)
+    if value is None:
+        return
+    entries = value if isinstance(value, list) else [value]
+    if not entries or any(not str(entry).strip() for entry in entries):
+        given = "with no value" if not entries else shown(repr(value))
+        raise ValueError(f"{_flag(name)} {given}: an empty path (an unset shell variable?): give the "
+                         f"{'dataset prefixes' if name == 'data_path' else 'path'}, or drop the flag")
+
+
+def given_value_problems(args: argparse.Namespace) -> List[str]:
+    """The values as given, before any rule derives others from them: a refusal names the flag
+    the user set (a NaN --lr-warmup-fraction, not the --lr-warmup-iters it would become). Every
+    problem, one message per flag."""
+    return _path_problems(args) + _range_problems(args)
 
 
 def check_given_values(args: argparse.Namespace) -> None:
-    """The values as given, before any rule derives others from them: a refusal names the flag
-    the user set (a NaN --lr-warmup-fraction, not the --lr-warmup-iters it would become)."""
-    _check_paths(args)
-    _check_ranges(args)
+    """``given_value_problems``: ValueError for the first."""
+    problems = given_value_problems(args)
+    if problems:
+        raise ValueError(problems[0])
+
+
+def _path_problems(args: argparse.Namespace) -> List[str]:
+    problems = []
+    for name in PATH_FLAGS:
+        try:
+            _check_path(args, name)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
+
+
+def _range_problems(args: argparse.Namespace) -> List[str]:
+    """One message for each flag with a value out of its domain (the first such value of a
+    list flag), in the order of the checks: integer ranges, then finite, not negative,
+    fractions, above 0."""
+    found: Dict[str, str] = {}
+
+    def problem(name: str, message: str) -> None:
+        found.setdefault(name, message)
+
+    for name, value in _values(args, INT_RANGES):
+        try:
+            _check_int_range(name, value)
+        except ValueError as err:
+            problem(name, str(err))
+    for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS):
+        if isinstance(value, float) and not math.isfinite(value):
+            problem(name, f"{_flag(name)} {value}: must be a finite number")
+    for name, value in _values(args, NOT_NEGATIVE):
+        if value < 0:
+            problem(name, f"{_flag(name)} {value}: must not be negative")
+    for name, value in _values(args, FRACTIONS):
+        if not 0 <= value < 1:
+            problem(name, f"{_flag(name)} {value}: must be at least 0 and below 1")
+    for name, value in _values(args, POSITIVE_FLOATS):
+        if value <= 0:
+            problem(name, f"{_flag(name)} {value}: must be above 0")
+    return list(found.values())
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
-    for name, value in _values(args, INT_RANGES):
-        _check_int_range(name, value)
-    for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{_flag(name)} {value}: must be a finite number")
-    for name, value in _values(args, NOT_NEGATIVE):
-        if value < 0:
-            raise ValueError(f"{_flag(name)} {value}: must not be negative")
-    for name, value in _values(args, FRACTIONS):
-        if not 0 <= value < 1:
-            raise ValueError(f"{_flag(name)} {value}: must be at least 0 and below 1")
-    for name, value in _values(args, POSITIVE_FLOATS):
-        if value <= 0:
-            raise ValueError(f"{_flag(name)} {value}: must be above 0")
+    problems = _range_problems(args)
+    if problems:
+        raise ValueError(problems[0])
 
 
 # Megatron-LM has no default for these and stops without them; so does this driver.

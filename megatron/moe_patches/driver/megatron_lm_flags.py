@@ -9,7 +9,7 @@ reads the flag, then its status here:
   and the driver does what Megatron-LM does with it. ``refused_values`` names the values
   of a supported flag that this driver does not offer, each with the reason.
 - refused: ``add_refused_flags`` gives the parser the flag with Megatron-LM's syntax, so a
-  launch script's command line parses as it does there, and ``first_refusal`` turns a
+  launch script's command line parses as it does there, and ``all_refusals`` turns a
   value other than the one this driver runs with (``runs_as``: Megatron-LM's default
   unless the row says otherwise) into an error naming the flag and ``refused``: why, and
   what to use instead. A refused flag is never accepted and then ignored: the one value
@@ -999,20 +999,33 @@ def _refusal(row: MegatronLMFlag, value: Any) -> Optional[Tuple[str, str]]:
     return None
 
 
-def first_refusal(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> Optional[str]:
-    """The error for the first of the ``given`` settings (dest, how the user gave it: the
-    flag, or a recipe's file, line and key) that this driver refuses, else None."""
+def all_refusals(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> List[str]:
+    """The error for each of the ``given`` settings (dest, how the user gave it: the flag, or
+    a recipe's file, line and key) that this driver refuses, in the order given; a dest given
+    more than once (on the command line and in the recipe) is judged once, where it comes first
+    (the value ``args`` holds is the command line's)."""
+    errors, judged = [], set()
     for dest, label in given:
+        if dest in judged:
+            continue
+        judged.add(dest)
         for row in _BY_DEST.get(dest, ()):
             refused = _refusal(row, getattr(args, dest))
             if refused:
                 shown, why = refused
-                return f"{label}{shown}: {why}"
-    return None
+                errors.append(f"{label}{shown}: {why}")
+                break
+    return errors
+
+
+def first_refusal(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> Optional[str]:
+    """The first of ``all_refusals``, else None."""
+    refusals = all_refusals(args, given)
+    return refusals[0] if refusals else None
 
 
 def drop_refused(args: argparse.Namespace) -> None:
-    """Take the refused flags out of ``args`` once they passed ``first_refusal``: each holds
+    """Take the refused flags out of ``args`` once they passed ``all_refusals``: each holds
     the value this driver runs with anyway, and the args (saved in checkpoints) keep to the
     settings the driver reads."""
     for row in refused_flags():

@@ -73,11 +73,32 @@ FIELD_ALIASES = {
 
 
 class RecipeError(ValueError):
-    """A recipe that cannot be used; ``line`` (1-based) where the message does not say it yet."""
+    """A recipe that cannot be used; ``line`` (1-based) where the message does not say it yet.
 
-    def __init__(self, message: str, line: Optional[int] = None):
+    ``problems``: each key's error where several keys are wrong (the message is theirs, one a
+    line); a single problem is the error itself.
+    """
+
+    def __init__(self, message: str, line: Optional[int] = None, problems: Optional[List["RecipeError"]] = None):
         super().__init__(message)
         self.line = line
+        self.problems: List[RecipeError] = list(problems) if problems else [self]
+
+    @classmethod
+    def of(cls, problems: List["RecipeError"]) -> "RecipeError":
+        """One error for ``problems`` (not empty): the error itself where there is one."""
+        if len(problems) == 1:
+            return problems[0]
+        return cls("\n".join(str(problem) for problem in problems), problems=problems)
+
+
+def _collect(problems: List[RecipeError], collected: Optional[List[RecipeError]]) -> None:
+    """Hand the per-key ``problems`` to the caller's ``collected`` list, or raise them as one
+    RecipeError where the caller gave none."""
+    if collected is not None:
+        collected.extend(problems)
+    elif problems:
+        raise RecipeError.of(problems)
 
 
 class Recipe(dict):
@@ -217,32 +238,35 @@ def _unflagged_field(parser: argparse.ArgumentParser, setting: Setting) -> bool:
     return True
 
 
-def _settings(raw: Dict[str, Any], parser, lines) -> List[Setting]:
+def _settings(raw: Dict[str, Any], parser, lines, problems: List[RecipeError]) -> List[Setting]:
     """Every key of the recipe, sections' keys included, with its dest and transformed value;
-    null values and on/off flags set to false are left out (not set)."""
+    null values and on/off flags set to false are left out (not set). A key that cannot be
+    used is left out too, its error added to ``problems``."""
     items = []
     for key, value in raw.items():
         if not isinstance(key, str):
-            raise RecipeError(f"key {_spelled(key)} is not a flag name", lines.get((None, str(key))))
-        if key in NESTED_SECTIONS:
+            problems.append(RecipeError(f"key {_spelled(key)} is not a flag name", lines.get((None, str(key)))))
+        elif key in NESTED_SECTIONS:
             if not isinstance(value, dict):
-                raise RecipeError(f"recipe section '{key}' must be a mapping", lines.get((None, key)))
-            items += [(key, name, item) for name, item in value.items()]
+                problems.append(RecipeError(f"recipe section '{key}' must be a mapping", lines.get((None, key))))
+            else:
+                items += [(key, name, item) for name, item in value.items()]
         else:
             items.append((None, key, value))
     settings = []
     for section, key, value in items:
         line = lines.get((section, str(key)))
         if not isinstance(key, str):
-            raise RecipeError(f"key {_spelled(key)} in section '{section}' is not a flag name", line)
+            problems.append(RecipeError(f"key {_spelled(key)} in section '{section}' is not a flag name", line))
+            continue
         try:
             dest, transform = _resolve(parser, section, key)
             value = transform(value) if transform and value is not None else value
+            setting = Setting(section, key, dest, value, line)
+            if value is not None and not _unflagged_field(parser, setting):
+                settings.append(setting)
         except RecipeError as err:
-            raise RecipeError(str(err), line) from None
-        setting = Setting(section, key, dest, value, line)
-        if value is not None and not _unflagged_field(parser, setting):
-            settings.append(setting)
+            problems.append(RecipeError(str(err), err.line or line))
     return settings
 
 
@@ -269,17 +293,25 @@ def _glu_activation(first: Setting, second: Setting) -> Setting:
 
 
 def flatten_recipe(raw: Dict[str, Any], parser: argparse.ArgumentParser,
-                   lines: Optional[Dict[Tuple[Optional[str], str], int]] = None) -> Recipe:
+                   lines: Optional[Dict[Tuple[Optional[str], str], int]] = None,
+                   problems: Optional[List[RecipeError]] = None) -> Recipe:
     """One flat {dest: value} Recipe from a flat or nested recipe, keys resolved by ``parser``.
 
-    ``lines`` ((section or None, key) -> line) lets errors and the result carry lines.
+    ``lines`` ((section or None, key) -> line) lets errors and the result carry lines. Every
+    key is judged: the errors of all bad keys are raised together, or, where ``problems`` is
+    given, added to it and the Recipe of the other keys returned.
     """
     if not isinstance(raw, dict):
         raise RecipeError(f"a recipe must be a mapping of flag names to values, not {type(raw).__name__}")
+    found: List[RecipeError] = []
     chosen: Dict[str, Setting] = {}
-    for setting in _settings(raw, parser, lines or {}):
+    for setting in _settings(raw, parser, lines or {}, found):
         prior = chosen.get(setting.dest)
-        chosen[setting.dest] = setting if prior is None else _one_of(prior, setting)
+        try:
+            chosen[setting.dest] = setting if prior is None else _one_of(prior, setting)
+        except RecipeError as err:
+            found.append(err)
+    _collect(found, problems)
     flat = Recipe()
     for dest, setting in chosen.items():
         flat[dest] = setting.value
@@ -474,9 +506,11 @@ def _in_file(path: str, err: RecipeError) -> RecipeError:
     return RecipeError(f"{path}:{err.line}: {err}" if err.line else f"{path}: {err}")
 
 
-def read_recipe(path: str, parser: argparse.ArgumentParser) -> Recipe:
+def read_recipe(path: str, parser: argparse.ArgumentParser, problems: Optional[List[RecipeError]] = None) -> Recipe:
     """The Recipe in the file ``path``, its keys resolved by ``parser`` (no built-in names
-    here: see ``load_recipe``)."""
+    here: see ``load_recipe``). A file that cannot be read as a recipe is one RecipeError;
+    bad keys are raised together, or, where ``problems`` is given, added to it (each naming
+    the file and line) and the Recipe of the other keys returned."""
     text = _read_text(path)
     try:
         raw = yaml.load(text, Loader=_RecipeLoader)
@@ -488,24 +522,26 @@ def read_recipe(path: str, parser: argparse.ArgumentParser) -> Recipe:
     if raw is None or raw == {}:
         raise RecipeError(f"{path}: the recipe is empty (it sets no flag); give 'flag: value' lines or drop --yaml-cfg")
     lines = _key_lines(path, node)
+    found: List[RecipeError] = []
     try:
-        recipe = flatten_recipe(raw, parser, lines)
+        recipe = flatten_recipe(raw, parser, lines, found)
     except RecipeError as err:
         raise _in_file(path, err) from None
-    if not recipe:
+    _collect([_in_file(path, err) for err in found], problems)
+    if not recipe and not found:
         raise RecipeError(f"{path}: the recipe sets no flag (empty sections, null values or flags set to false); "
                           "give 'flag: value' lines")
     recipe.path = path
     return recipe
 
 
-def load_recipe(path: str, parser: argparse.ArgumentParser) -> Recipe:
+def load_recipe(path: str, parser: argparse.ArgumentParser, problems: Optional[List[RecipeError]] = None) -> Recipe:
     # --- built-in recipes: a path, or the name of one shipped in the package ("tiny-moe") ---
     from megatron.moe_patches.driver.builtin_recipes import resolve
 
     path = resolve(path)  # UnknownRecipe (an OSError) names the built-in recipes
     # --- end built-in recipes ---
-    return read_recipe(path, parser)
+    return read_recipe(path, parser, problems)
 
 
 _KINDS = {int: "an integer", float: "a number", str: "a string"}
@@ -561,22 +597,36 @@ def convert_value(action: argparse.Action, value, fail):
     return converted
 
 
-def apply_recipe(parser: argparse.ArgumentParser, recipe: Dict[str, Any], source: str) -> None:
-    """Make the recipe's values the parser's defaults, after checking every key and type."""
+def apply_recipe(parser: argparse.ArgumentParser, recipe: Dict[str, Any], source: str,
+                 problems: Optional[List[RecipeError]] = None) -> None:
+    """Make the recipe's values the parser's defaults, after checking every key and type.
+
+    The errors of all bad keys are raised together (and nothing is applied), or, where
+    ``problems`` is given, added to it, the bad keys taken out of ``recipe`` and the others
+    applied."""
     actions = {action.dest: action for action in parser._actions}  # argparse has no public map
     if not isinstance(recipe, Recipe):
         recipe = Recipe(recipe)
-    values = {}
+    values, found, bad = {}, [], []
     for dest, value in recipe.items():
         where, key = recipe.where(dest, source), recipe.key(dest)
         action = actions.get(dest)
         if action is None or dest in ("help", "yaml_cfg"):
-            raise RecipeError(f"{where}: unknown key '{shown(dest)}' (no flag --{shown(dest.replace('_', '-'))})")
+            found.append(RecipeError(f"{where}: unknown key '{shown(dest)}' (no flag --{shown(dest.replace('_', '-'))})"))
+            bad.append(dest)
+            continue
         flag = action.option_strings[0] if action.option_strings else dest
 
         def fail(message, where=where, key=key, flag=flag):
             return RecipeError(f"{where}: '{key}' ({flag}) {message}")
 
-        values[dest] = convert_value(action, value, fail)
+        try:
+            values[dest] = convert_value(action, value, fail)
+        except RecipeError as err:
+            found.append(err)
+            bad.append(dest)
+    _collect(found, problems)
+    for dest in bad:
+        del recipe[dest]
     recipe.update(values)
     parser.set_defaults(**values)
