@@ -6,6 +6,9 @@ import textwrap
 import types
 
 import megatron
+import pytest
+
+from megatron.moe_patches import megatron_lm, revert
 
 
 def fake_training(monkeypatch, modules):
@@ -20,3 +23,14 @@ def fake_training(monkeypatch, modules):
         exec(textwrap.dedent(source), module.__dict__)
         setattr(package, name, module)
     return package
+
+
+@pytest.fixture(autouse=True)
+def nothing_enabled():
+    """Every test starts and ends with megatron-core unpatched and Megatron-LM unwrapped (a test
+    module that imports this fixture gets it for each of its tests)."""
+    megatron_lm.disable()
+    revert()
+    yield
+    megatron_lm.disable()
+    revert()

@@ -8,7 +8,7 @@ import pytest
 
 from megatron.moe_patches import apply, megatron_lm, revert, status
 
-from fake_megatron_lm import fake_training
+from fake_megatron_lm import fake_training, nothing_enabled  # noqa: F401  (an autouse fixture)
 
 MISSING = ("megatron_lm.enable() needs Megatron-LM's `megatron.training` importable "
            "(a Megatron-LM checkout on PYTHONPATH): No module named 'megatron.training'")
@@ -26,15 +26,6 @@ def assert_nothing_enabled():
     assert megatron_lm._hook is None
     assert megatron_lm._enabled_features == set()
     assert megatron_lm._helpers_build is None
-
-
-@pytest.fixture(autouse=True)
-def nothing_enabled():
-    megatron_lm.disable()
-    revert()
-    yield
-    megatron_lm.disable()
-    revert()
 
 
 class _NoMegatronLM:

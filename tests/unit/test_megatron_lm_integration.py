@@ -25,7 +25,7 @@ from megatron.moe_patches import apply, megatron_lm, revert, status
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.fields import PATCH_FIELD_NAMES, PATCH_FIELDS
 
-from fake_megatron_lm import fake_training as install_fake_training
+from fake_megatron_lm import fake_training as install_fake_training, nothing_enabled  # noqa: F401  (autouse)
 
 STOCK_CONFIG = tc_module.TransformerConfig
 SWITCHES = [f.name for f in PATCH_FIELDS if f.default is False]
@@ -43,16 +43,6 @@ def saved_patch_args():
 
 def applied_ids():
     return {row.id for row in status() if row.state == "applied"}
-
-
-@pytest.fixture(autouse=True)
-def nothing_enabled():
-    """Every test starts and ends with megatron-core unpatched and Megatron-LM unwrapped."""
-    megatron_lm.disable()
-    revert()
-    yield
-    megatron_lm.disable()
-    revert()
 
 
 def test_all_patch_fields_are_switches_or_int_settings():
