@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron.moe_patches import apply, megatron_lm, revert, status
+from megatron.moe_patches import apply, megatron_lm, status
 
 from fake_megatron_lm import fake_training, nothing_enabled  # noqa: F401  (an autouse fixture)
 

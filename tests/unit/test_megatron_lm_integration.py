@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import megatron.core.transformer.transformer_config as tc_module
-from megatron.moe_patches import apply, megatron_lm, revert, status
+from megatron.moe_patches import apply, megatron_lm, status
 from megatron.moe_patches.config import PatchedTransformerConfig
 from megatron.moe_patches.fields import PATCH_FIELD_NAMES, PATCH_FIELDS
 
