@@ -35,6 +35,8 @@ def gather(value) -> list:
 def main(argv=None):
     parser = benchmark_parser(__doc__.splitlines()[0], "comma list of token counts per GPU", "bf16",
                               "rank 0 also appends the JSON lines to this file")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="rank 0 also profiles one forward+backward and reports this many kernels by device time")
     args = parser.parse_args(argv)
     variants = selected_variants(parser, args)
 
@@ -48,8 +50,8 @@ def main(argv=None):
     for shape_name, shape, tokens, precision in cases(args):
         stock_ms = None
         for variant in variants:
-            ms, peak, backend, exchange_time, _ = run_variant(
-                variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, ep=ep
+            ms, peak, backend, exchange_time, kernel_times = run_variant(
+                variant, shape, tokens, precision, args.warmup, args.iters, seed=rank, ep=ep, kernels=args.kernels
             )
             per_rank = gather((ms, peak, exchange_time))
             slowest = max(r[0] for r in per_rank)
@@ -63,6 +65,7 @@ def main(argv=None):
                 peak_mib=round(max(r[1] for r in per_rank)),
                 exchange_ms=round(exchange, 3), exchange_share=round(exchange / slowest, 3),
                 speedup_vs_stock=round(stock_ms / slowest, 3), device=device,
+                **({"kernels_ms": kernel_times} if kernel_times else {}),
             )
             if rank == 0:
                 emit(row, sink)

@@ -1,9 +1,10 @@
-"""torchrun worker for tests/gpu/test_symmetric_exchange.py: an EP=2 alltoall MoE layer with
-F12's symmetric exchange against the same layer with NCCL's all-to-all (same experts, same
-row order: bitwise) and against stock megatron-core (a tolerance); host syncs counted in one
+"""torchrun worker for tests/gpu/test_symmetric_exchange.py: an alltoall MoE layer at EP = the
+world size with F12's symmetric exchange against the same layer with NCCL's all-to-all (same
+experts, same row order: bitwise) and against stock megatron-core (a tolerance); host syncs counted in one
 forward+backward. Cases: top-k 1/2/8, zero-token experts, a rank that receives nothing,
 quick-GEGLU, biases, FP8 tensorwise."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,8 @@ CASES = [  # name, experts, topk, tokens, kwargs, allowed experts (None: the rou
 
 
 def main(out_path):
-    rank = start_worker(expert_model_parallel_size=2)
+    ep = int(os.environ["WORLD_SIZE"])
+    rank = start_worker(expert_model_parallel_size=ep)
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
@@ -54,7 +56,7 @@ def main(out_path):
 
     results = []
     for name, experts, topk, tokens, extra, allowed in CASES:
-        kwargs = small_moe_kwargs(experts, topk, expert_model_parallel_size=2, **extra)  # the groups' EP size
+        kwargs = small_moe_kwargs(experts, topk, expert_model_parallel_size=ep, **extra)  # the groups' EP size
         routing = None if allowed is None else restricted_routing(experts, topk, allowed, seed=40 + rank)
         seed = 20 + rank
         revert()
@@ -68,7 +70,7 @@ def main(out_path):
         syncs = host_syncs_during(lambda: forward_backward(layer, hidden))
         revert()
         results.append(dict(
-            rank=rank, case=name, backend=layer.experts.backend.name,
+            rank=rank, ep=ep, case=name, backend=layer.experts.backend.name,
             exchange=isinstance(layer.token_dispatcher.exchange, SymmetricMemoryAllToAll),
             vs_nccl=compare(nccl, exchanged), max_rel_vs_stock=max(max_rel_error(stock, exchanged).values()),
             nccl_max_rel_vs_stock=max(max_rel_error(stock, nccl).values()),

@@ -120,10 +120,11 @@ def host_syncs_during(fn) -> list:
     return syncs
 
 
-def run_two_gpu_worker(worker: str, tmp_path) -> list:
-    """Run ``tests/gpu/<worker>`` on 2 GPUs; return the results every rank gathered."""
+def run_two_gpu_worker(worker: str, tmp_path, gpus: int = 2) -> list:
+    """Run ``tests/gpu/<worker>`` on ``gpus`` GPUs (2 unless told); return the results every
+    rank gathered."""
     out = Path(tmp_path) / f"{Path(worker).stem}.json"
-    cmd = ["torchrun", "--nproc-per-node", "2", str(Path(__file__).resolve().parent / worker), str(out)]
+    cmd = ["torchrun", "--nproc-per-node", str(gpus), str(Path(__file__).resolve().parent / worker), str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     results = json.loads(out.read_text())

@@ -21,11 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {"bf16": 2.0**-6, "fp8": 2.0**-3}
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="EP=2 needs 2 GPUs")
-def test_ep2_exchange_matches_nccl_bitwise_and_never_syncs(tmp_path):
-    results = run_two_gpu_worker("ep_symmetric_exchange_worker.py", tmp_path)
-    assert len(results) == 2 * 9
+@pytest.mark.parametrize("ep", [2, 4])
+def test_exchange_matches_nccl_bitwise_and_never_syncs(ep, tmp_path):
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"EP={ep} needs {ep} GPUs")
+    results = run_two_gpu_worker("ep_symmetric_exchange_worker.py", tmp_path, gpus=ep)
+    assert len(results) == ep * 9
     for result in results:
+        assert result["ep"] == ep, result
         assert result["exchange"] and result["backend"] in ("grouped_mm", "fp8_grouped_mm"), result
         # Same experts, same row order on the owners, same unpermute: the same bits.
         assert result["vs_nccl"]["bitwise"], result

@@ -25,16 +25,27 @@ def _random_counts(ep, local, seed, empty_rank=None):
 
 
 def _send(chunks, rows):
-    """Row-by-row: where each local row goes, as the push kernel must place it."""
+    """Row-by-row: where each of the sender's first ``rows`` rows goes, as the push kernel
+    must place it, in the sender's row order; rows in no chunk are not sent."""
     ends = chunks.ends_C.tolist()
-    placed = []
-    for row in range(rows):
-        chunk = bisect.bisect_right(ends, row)
-        if chunk == len(ends):
-            break  # past the last chunk: not sent
-        start = ends[chunk - 1] if chunk else 0
-        placed.append((int(chunks.peer_C[chunk]), int(chunks.dest_C[chunk]) + row - start))
-    return placed
+    placed = {}
+    for c, end in enumerate(ends):
+        start = ends[c - 1] if c else 0
+        for i in range(end - start):
+            row = int(chunks.src_C[c]) + i
+            assert row not in placed, "a row sent twice"
+            placed[row] = (int(chunks.peer_C[c]), int(chunks.dest_C[c]) + i)
+    return [placed[row] for row in sorted(placed) if row < rows]
+
+
+def _peer_order(chunks):
+    """The peers in the order the sender's chunks reach them (each peer once)."""
+    sizes = torch.diff(chunks.ends_C, prepend=chunks.ends_C.new_zeros(1)).tolist()
+    order = []
+    for peer, size in zip(chunks.peer_C.tolist(), sizes):
+        if size and peer not in order:
+            order.append(peer)
+    return order
 
 
 @pytest.mark.parametrize("ep,local,empty_rank", [(2, 3, None), (2, 1, 1), (3, 2, 0), (4, 5, 2)])
@@ -83,7 +94,19 @@ def test_counts_go_to_every_peer_at_the_senders_row(ep, rank):
 def test_rows_past_the_last_chunk_stay_home():
     counts_SE = torch.tensor([[1, 2], [0, 1]])
     plan = ExchangePlan(counts_SE, 0, 3, 10)
-    assert len(_send(plan.to_owners, 10)) == 3  # the kernel skips rows from ends[-1] on
+    assert len(_send(plan.to_owners, 10)) == 3  # the kernel sends only the chunks' rows
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_senders_start_on_different_owners(ep):
+    """Rows go peer by peer from the next rank on, this rank's own last: at any point of the
+    stores each owner takes one sender's rows, both ways (rows sorted by owner would send
+    every sender's first rows to owner 0)."""
+    counts_SE = torch.randint(1, 4, (ep, ep * 3), generator=torch.Generator().manual_seed(ep))
+    plans = [ExchangePlan(counts_SE, rank, int(counts_SE[rank].sum()), 10**6) for rank in range(ep)]
+    for rank, plan in enumerate(plans):
+        for chunks in (plan.to_owners, plan.to_sources):
+            assert _peer_order(chunks) == [(rank + k) % ep for k in range(1, ep + 1)]
 
 
 def test_owner_bound_covers_every_token_choosing_this_rank():

@@ -49,17 +49,32 @@ import torch
 
 
 class RowChunks(NamedTuple):
-    """One direction's routing of rows, all on the device: local rows form consecutive
-    chunks (``ends_C``: inclusive-scan ends); chunk c goes to rank ``peer_C[c]``, starting at
-    row ``dest_C[c]`` of that rank's buffer. Contiguous int64 (the kernel indexes them)."""
+    """One direction's routing of rows, all on the device, in the order they are sent: chunk
+    c holds the sender's rows ``src_C[c]`` onwards, ``ends_C[c] - ends_C[c-1]`` of them
+    (``ends_C``: the inclusive scan of the chunk sizes in sending order), and goes to rank
+    ``peer_C[c]``, starting at row ``dest_C[c]`` of that rank's buffer. Contiguous int64 (the
+    kernel indexes them)."""
 
     ends_C: torch.Tensor
+    src_C: torch.Tensor
     dest_C: torch.Tensor
     peer_C: torch.Tensor
 
     @classmethod
-    def of(cls, ends_C, dest_C, peer_C) -> "RowChunks":
-        return cls(*(t.to(torch.int64).contiguous() for t in (ends_C, dest_C, peer_C)))
+    def of(cls, ends_C, src_C, dest_C, peer_C) -> "RowChunks":
+        return cls(*(t.to(torch.int64).contiguous() for t in (ends_C, src_C, dest_C, peer_C)))
+
+    @classmethod
+    def shifted(cls, sizes_C, dest_C, peer_C, rank: int, ep: int) -> "RowChunks":
+        """Chunks that lie in the sender's rows back to back (sizes ``sizes_C``), sent peer by
+        peer from the next rank on (rank + 1, rank + 2, ..., this rank last). Every sender
+        starts on a different owner, so no owner's links take the stores of all senders at
+        once while other owners' links idle (rows sorted by owner, which every sender would
+        start from, do that at EP > 2)."""
+        src_C = torch.cumsum(sizes_C, 0) - sizes_C
+        order_C = torch.argsort((peer_C - rank - 1) % ep, stable=True)  # peer_C is fixed: a fixed order
+        sizes_C = sizes_C[order_C]
+        return cls.of(torch.cumsum(sizes_C, 0), src_C[order_C], dest_C[order_C], peer_C[order_C])
 
 
 class ExchangePlan:
@@ -78,18 +93,21 @@ class ExchangePlan:
         received_PX = counts_SE.view(ep, ep, local).permute(1, 2, 0).reshape(ep, local * ep)
         starts_PX = torch.cumsum(received_PX, dim=1) - received_PX
         # Dispatch: this rank's chunks are its global experts g = p * local + e.
-        self.to_owners = RowChunks.of(
-            ends_C=torch.cumsum(counts_SE[rank], 0),
+        self.to_owners = RowChunks.shifted(
+            sizes_C=counts_SE[rank],
             dest_C=starts_PX.view(ep, local, ep)[:, :, rank].reshape(experts),
             peer_C=torch.arange(experts, device=device) // local,
+            rank=rank, ep=ep,
         )
         # Combine: this rank's chunks are (e, s); each goes back to where s sent it from.
         sent_starts_SE = torch.cumsum(counts_SE, dim=1) - counts_SE
-        self.to_sources = RowChunks.of(
-            ends_C=torch.cumsum(received_PX[rank], 0),
+        self.to_sources = RowChunks.shifted(
+            sizes_C=received_PX[rank],
             dest_C=sent_starts_SE[:, rank * local:(rank + 1) * local].t().reshape(local * ep),
             peer_C=torch.arange(local * ep, device=device) % ep,
+            rank=rank, ep=ep,
         )
+        self.rows_used = self.to_sources.ends_C[-1:]  # the rows this rank receives
         self.tokens_per_local_expert = received_PX[rank].view(local, ep).sum(dim=1)
         self.rows_sent = rows_sent  # the sender's rows: tokens x top-k
         self.rows_bound = rows_bound  # the owners' (received) tensors' row count
@@ -148,7 +166,7 @@ class SymmetricExchange:
     def _count_chunks(self, device) -> RowChunks:
         if self._counts_route is None:  # made once, in the first (eager) call
             peers = torch.arange(self.size, device=device)
-            self._counts_route = RowChunks.of(ends_C=peers + 1, dest_C=torch.full_like(peers, self.rank),
+            self._counts_route = RowChunks.of(ends_C=peers + 1, src_C=peers, dest_C=torch.full_like(peers, self.rank),
                                               peer_C=peers)
         return self._counts_route
 
@@ -166,10 +184,9 @@ class SymmetricExchange:
         """The owners' [bound, ...] tensors, rows past the received ones zero. ``keep``: copies
         (the experts save the tokens for the backward); otherwise the buffers themselves."""
         received = self._send(plan.to_owners, plan.rows_bound, "owners", tensors)
-        rows_used = plan.to_sources.ends_C[-1:]  # where this rank's owner-side chunks end
         if keep:
-            return [copy_rows_zero_tail(r, rows_used) for r in received]
-        return [zero_rows_from(r, rows_used) for r in received]
+            return [copy_rows_zero_tail(r, plan.rows_used) for r in received]
+        return [zero_rows_from(r, plan.rows_used) for r in received]
 
     def send_to_sources(self, plan: ExchangePlan, *tensors):
         return self._send(plan.to_sources, plan.rows_sent, "sources", tensors)
@@ -266,10 +283,13 @@ PUSH_WARPS = 8
 
 
 def push_rows(x_RC: torch.Tensor, chunks: RowChunks, bases_P: torch.Tensor,
-              rows_per_program: int = PUSH_ROWS_PER_PROGRAM, num_warps: int = PUSH_WARPS) -> None:
-    """Store row r of ``x_RC`` (a 1-D tensor is one column) at row ``dest[c] + r - start[c]``
-    of rank ``peer[c]``'s buffer (address ``bases_P[peer]``), c the chunk holding r. Rows
-    past the last chunk are not sent."""
+              rows_per_program: int = PUSH_ROWS_PER_PROGRAM, num_warps: int = PUSH_WARPS,
+              programs: Optional[int] = None) -> None:
+    """Store the rows of each chunk c of ``x_RC`` (a 1-D tensor is one column), from row
+    ``src[c]`` on, at rows ``dest[c]`` on of rank ``peer[c]``'s buffer (address
+    ``bases_P[peer]``). Rows in no chunk are not sent. ``programs``: at most this many
+    programs, each taking every ``programs``-th tile (fewer SMs, e.g. beside a GEMM); by
+    default one program per tile of ``x_RC``."""
     rows = x_RC.shape[0]
     cols = x_RC[0].numel() if rows else 0
     if not rows or not cols:
@@ -279,8 +299,9 @@ def push_rows(x_RC: torch.Tensor, chunks: RowChunks, bases_P: torch.Tensor,
     tile_rows = min(triton_next_pow2(rows_per_program), triton_next_pow2(rows))
     block = max(1, min(4096 // tile_rows, triton_next_pow2(cols)))
     row_bytes = cols * x_RC.element_size()
-    kernel[(-(-rows // tile_rows),)](
-        x_RC, chunks.ends_C, chunks.dest_C, chunks.peer_C, bases_P, cols, row_bytes,
+    tiles = -(-rows // tile_rows)
+    kernel[(min(tiles, programs or tiles),)](
+        x_RC, chunks.ends_C, chunks.src_C, chunks.dest_C, chunks.peer_C, bases_P, cols, row_bytes,
         ALIGNED=row_bytes % 16 == 0, CHUNKS=chunks_count, CHUNKS_P2=triton_next_pow2(chunks_count),
         ROWS=tile_rows, BLOCK=block, num_warps=num_warps if tile_rows * block >= 1024 else 1)
 
@@ -318,32 +339,38 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def push_rows_kernel(x_ptr, ends_ptr, dest_ptr, peer_ptr, bases_ptr, cols, row_bytes, ALIGNED: tl.constexpr,
-                         CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        # Programs take tiles from both ends in turn: a sender's rows are grouped by peer, so
-        # the stores into this rank's own buffer run beside the NVLink ones, not before them.
-        pid, tiles = tl.program_id(0), tl.num_programs(0)
-        tile = tl.where(pid % 2 == 0, pid // 2, tiles - 1 - pid // 2)
-        row_R = tile * ROWS + tl.arange(0, ROWS)
+    def push_rows_kernel(x_ptr, ends_ptr, src_ptr, dest_ptr, peer_ptr, bases_ptr, cols, row_bytes,
+                         ALIGNED: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # Tiles of the rows sent (row_R counts along the sending order), as many as the chunks
+        # hold (the tensor's rows may be a bound). Programs take them from both ends in turn:
+        # this rank's own rows come last, so its stores into its own buffer run beside the
+        # NVLink ones, not after them.
         c_C = tl.arange(0, CHUNKS_P2)
         ends_C = tl.load(ends_ptr + c_C, mask=c_C < CHUNKS, other=0)
-        sent_R = row_R < tl.load(ends_ptr + CHUNKS - 1)  # the last end is at most the rows of x
-        # a row's chunk = how many chunks end at or before it (ends are inclusive scans)
-        chunk_R = tl.sum(((ends_C[None, :] <= row_R[:, None]) & (c_C[None, :] < CHUNKS)).to(tl.int32), axis=1)
-        start_R = tl.load(ends_ptr + chunk_R - 1, mask=sent_R & (chunk_R > 0), other=0)
-        dest_R = tl.load(dest_ptr + chunk_R, mask=sent_R, other=0) + row_R - start_R
-        peer_R = tl.load(peer_ptr + chunk_R, mask=sent_R, other=0)
-        # The peers' row addresses as integers: their alignment (16 B rows) lets the stores
-        # over NVLink go out 16 B at a time.
-        address_R = tl.load(bases_ptr + peer_R, mask=sent_R, other=0) + dest_R.to(tl.int64) * row_bytes
-        if ALIGNED:
-            address_R = tl.multiple_of(address_R, 16)
-        out_R = address_R.to(tl.pointer_type(x_ptr.dtype.element_ty))
-        for col0 in range(0, cols, BLOCK):
-            col = col0 + tl.arange(0, BLOCK)
-            mask = sent_R[:, None] & (col[None, :] < cols)
-            values = tl.load(x_ptr + row_R[:, None].to(tl.int64) * cols + col[None, :], mask=mask)
-            tl.store(out_R[:, None] + col[None, :], values, mask=mask)
+        rows_sent = tl.load(ends_ptr + CHUNKS - 1)
+        tiles = (rows_sent + ROWS - 1) // ROWS
+        for turn in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            tile = tl.where(turn % 2 == 0, turn // 2, tiles - 1 - turn // 2)
+            row_R = tile * ROWS + tl.arange(0, ROWS)
+            sent_R = row_R < rows_sent
+            # a row's chunk = how many chunks end at or before it (ends are inclusive scans)
+            chunk_R = tl.sum(((ends_C[None, :] <= row_R[:, None]) & (c_C[None, :] < CHUNKS)).to(tl.int32), axis=1)
+            start_R = tl.load(ends_ptr + chunk_R - 1, mask=sent_R & (chunk_R > 0), other=0)
+            dest_R = tl.load(dest_ptr + chunk_R, mask=sent_R, other=0) + row_R - start_R
+            src_R = tl.load(src_ptr + chunk_R, mask=sent_R, other=0) + row_R - start_R
+            peer_R = tl.load(peer_ptr + chunk_R, mask=sent_R, other=0)
+            # The peers' row addresses as integers: their alignment (16 B rows) lets the stores
+            # over NVLink go out 16 B at a time.
+            address_R = tl.load(bases_ptr + peer_R, mask=sent_R, other=0) + dest_R.to(tl.int64) * row_bytes
+            if ALIGNED:
+                address_R = tl.multiple_of(address_R, 16)
+            out_R = address_R.to(tl.pointer_type(x_ptr.dtype.element_ty))
+            for col0 in range(0, cols, BLOCK):
+                col = col0 + tl.arange(0, BLOCK)
+                mask = sent_R[:, None] & (col[None, :] < cols)
+                values = tl.load(x_ptr + src_R[:, None].to(tl.int64) * cols + col[None, :], mask=mask)
+                tl.store(out_R[:, None] + col[None, :], values, mask=mask)
 
     @triton.jit
     def copy_zero_tail_kernel(src_ptr, out_ptr, used_ptr, cols, COPY: tl.constexpr, BLOCK: tl.constexpr):
