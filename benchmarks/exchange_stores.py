@@ -1,17 +1,18 @@
 """F12's store kernel alone, on every rank of a torchrun job (one NVLink node):
 
-    torchrun --nproc-per-node 2 benchmarks/exchange_stores.py --out results.jsonl
+    torchrun --nproc-per-node 4 benchmarks/exchange_stores.py --out results.jsonl
 
-Each rank routes ``--tokens`` tokens x top-k over ``--experts`` experts at random and stores
-its rows into the owners' symmetric buffers with ``push_rows`` for several tiles (rows per
-program x warps), the routing of a Qwen3-like dispatch by default, both ways (to the owners,
-back to the sources), with the chunks in the plan's order (each sender starts at the next
-rank) and in the sender's row order, then with fewer programs than tiles (what the stores
-reach on fewer SMs). Rank 0 prints one JSON line per case and rank: the median ms of one
-store pass, the bytes that went to other ranks per ms (GB/s), and whether the buffers hold
-the same bits as in the direction's first case. A last line
-per rank times torch's own copy of the same byte count into a peer's mapped buffer (one
-contiguous block), the ceiling for stores over NVLink on this machine.
+Each rank routes ``--tokens`` tokens to top-k of ``--experts`` experts at random (a
+Qwen3-like dispatch by default), runs one real dispatch to learn the owners' rows, then times
+``push_slots`` alone both ways: the dispatch's token rows to their owners (each token once
+per owner) and the combine's per-owner sums back to the sources, for several tiles (rows
+per program x warps) and program caps (what the stores reach on fewer SMs). Rank 0 prints
+one JSON line per case and rank: the median ms of one store pass, the bytes that went to
+other ranks per ms (GB/s), the rows a row-per-(token, expert) exchange would have sent to
+other ranks, and whether the buffers hold the same bits as in the direction's first case.
+A last line per rank times torch's own copy of the dispatch's byte count into the next
+rank's mapped buffer (one contiguous block, every rank at once), the ceiling for stores
+over NVLink on this machine.
 """
 
 import argparse
@@ -25,11 +26,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from megatron.moe_patches.dispatch.symmetric_exchange import RowChunks, SymmetricExchange, push_rows  # noqa: E402
+from megatron.moe_patches.dispatch.symmetric_exchange import SymmetricExchange, push_slots  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import init_expert_parallel  # noqa: E402
 
-TILES = ((2, 8), (4, 8), (8, 8), (8, 16))
-PROGRAMS = (16, 32, 66, 132, 264, 528)  # the default tile (8 rows x 8 warps)
+TILES = ((4, 8), (8, 8), (8, 16), (16, 8))
+PROGRAMS = (32, 66, 132, 264)  # the default tile (8 rows x 8 warps)
 
 
 def timed(step, barrier, iters: int) -> float:
@@ -48,13 +49,6 @@ def timed(step, barrier, iters: int) -> float:
     return statistics.median(times)
 
 
-def _by_sender_row(chunks: RowChunks):
-    """The same chunks in the order of the sender's rows."""
-    order_C = torch.argsort(chunks.src_C, stable=True)
-    sizes_C = torch.diff(chunks.ends_C, prepend=chunks.ends_C.new_zeros(1))[order_C]
-    return torch.cumsum(sizes_C, 0), chunks.src_C[order_C], chunks.dest_C[order_C], chunks.peer_C[order_C]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -71,49 +65,41 @@ def main(argv=None):
     scores_TE = torch.rand(args.tokens, args.experts, device="cuda", generator=generator)
     routing_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(1, scores_TE.topk(args.topk, 1).indices, True)
     exchange = SymmetricExchange(dist.group.WORLD, args.topk)
-    plan = exchange.plan(routing_TE.sum(0), args.tokens)
-    x_RH = torch.randn(args.tokens * args.topk, args.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
-    y_BH = torch.randn(plan.rows_bound, args.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
-    # Each direction: its rows, its peers' buffers, and its chunks in the plan's (shifted) order
-    # and sorted by the sender's row (by owner, for dispatch: every sender starts at rank 0).
-    directions = {
-        "to owners": (x_RH, exchange._peers("owners", plan.rows_bound, x_RH), plan.to_owners),
-        "to sources": (y_BH, exchange._peers("sources", plan.rows_sent, y_BH), plan.to_sources),
+    routes = exchange.routes(routing_TE)
+    x_TH = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+    exchange.dispatch(routes, x_TH, scores_TE * routing_TE)  # the owners' rows (routes.owner)
+    y_BH = torch.randn(routes.rows_bound, args.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+    row_bytes = args.hidden * x_TH.element_size()
+    slots_P = lambda index_XK: (index_XK >= 0).any(dim=1).view(ep, args.tokens).sum(dim=1)  # noqa: E731
+    rows_per_expert_to_peers = int(routing_TE.view(args.tokens, ep, -1)[:, [p for p in range(ep) if p != rank]].sum())
+    directions = {  # rows, slot index, the buffers' direction and rows
+        "to owners": (x_TH, routes.to_owners_X1, "owners", ep * args.tokens + 1),
+        "to sources": (y_BH, routes.owner.rows_SK, "sources", ep * args.tokens),
     }
     rows = []
-    for direction, (rows_XH, peers, shifted) in directions.items():
-        by_row = RowChunks.of(*_by_sender_row(shifted))
-        sizes_C = torch.diff(shifted.ends_C, prepend=shifted.ends_C.new_zeros(1))
-        peer_bytes = int(sizes_C[shifted.peer_C != rank].sum()) * args.hidden * rows_XH.element_size()
+    for direction, (src, index, buffer_name, buffer_rows) in directions.items():
+        peers = exchange._peers(buffer_name, buffer_rows, src)
+        sent_P = slots_P(index)
+        peer_bytes = int(sent_P.sum() - sent_P[rank]) * row_bytes
         barrier = lambda: peers.handle.barrier(channel=0)  # noqa: E731
         first = None
-        for order, chunks in (("shifted", shifted), ("by sender row", by_row)):
-            for rows_per_program, warps in TILES:
-                step = lambda: push_rows(rows_XH, chunks, peers.bases, rows_per_program, warps)  # noqa: E731
-                timed(step, barrier, 3)  # compile and warm up
-                ms = timed(step, barrier, args.iters)
-                held = peers.local.clone()
-                first = held if first is None else first
-                rows.append(dict(rank=rank, ep=ep, kernel="push_rows", direction=direction, order=order,
-                                 rows_per_program=rows_per_program, warps=warps, ms=round(ms, 3),
-                                 gb_per_s_to_peers=round(peer_bytes / ms / 1e6), same_bits=torch.equal(held, first)))
-        # Fewer programs (SMs), each looping over tiles: what the stores reach beside a GEMM.
-        for programs in PROGRAMS:
-            step = lambda: push_rows(rows_XH, shifted, peers.bases, programs=programs)  # noqa: E731
-            timed(step, barrier, 3)
+        cases = [dict(rows_per_program=r, num_warps=w) for r, w in TILES] + [dict(programs=n) for n in PROGRAMS]
+        for case in cases:
+            step = lambda: push_slots(src, index, peers.bases, rank=rank, ep=ep, tokens=args.tokens, **case)  # noqa: E731
+            timed(step, barrier, 3)  # compile and warm up
             ms = timed(step, barrier, args.iters)
-            rows.append(dict(rank=rank, ep=ep, kernel="push_rows", direction=direction, order="shifted",
-                             programs=programs, ms=round(ms, 3), gb_per_s_to_peers=round(peer_bytes / ms / 1e6),
-                             same_bits=torch.equal(peers.local, first)))
-    x_RH, peers, chunks = directions["to owners"]
-    sizes_C = torch.diff(chunks.ends_C, prepend=chunks.ends_C.new_zeros(1))
-    peer_rows = int(sizes_C[chunks.peer_C != rank].sum())
-    peer_bytes = peer_rows * args.hidden * x_RH.element_size()
-    barrier = lambda: peers.handle.barrier(channel=0)  # noqa: E731
+            held = peers.local.clone()
+            first = held if first is None else first
+            rows.append(dict(rank=rank, ep=ep, kernel="push_slots", direction=direction, **case, ms=round(ms, 3),
+                             gb_per_s_to_peers=round(peer_bytes / ms / 1e6), rows_to_peers=peer_bytes // row_bytes,
+                             rows_per_expert_to_peers=rows_per_expert_to_peers, same_bits=torch.equal(held, first)))
+    peers = exchange._peers("owners", ep * args.tokens + 1, x_TH)
+    dispatch_rows = int(slots_P(routes.to_owners_X1).sum() - slots_P(routes.to_owners_X1)[rank])
+    block = torch.randn(dispatch_rows, args.hidden, device="cuda", dtype=torch.bfloat16)
     peer_view = peers.handle.get_buffer((rank + 1) % ep, tuple(peers.local.shape), peers.local.dtype)
-    ms = timed(lambda: peer_view[:peer_rows].copy_(x_RH[:peer_rows]), barrier, args.iters)
+    ms = timed(lambda: peer_view[:dispatch_rows].copy_(block), lambda: peers.handle.barrier(channel=0), args.iters)
     rows.append(dict(rank=rank, ep=ep, kernel="torch copy_ into a peer buffer", ms=round(ms, 3),
-                     gb_per_s_to_peers=round(peer_bytes / ms / 1e6)))
+                     gb_per_s_to_peers=round(dispatch_rows * row_bytes / ms / 1e6), rows_to_peers=dispatch_rows))
     device = torch.cuda.get_device_name()
     gathered = [None] * ep
     dist.all_gather_object(gathered, rows)

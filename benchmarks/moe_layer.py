@@ -85,8 +85,9 @@ def measure(layer, hidden, grad, warmup: int, iters: int, microbatches_per_step:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
 
 
-# Kernels of the expert-parallel exchange: NCCL's, and F12's stores, barriers and copies.
-EXCHANGE_KERNELS = ("nccl", "push_rows_kernel", "copy_zero_tail_kernel", "barrier")
+# Kernels of the expert-parallel exchange: NCCL's, and F12's stores, barriers and the owners'
+# copies of each token to its experts' rows (torch's index_select).
+EXCHANGE_KERNELS = ("nccl", "push_slots_kernel", "barrier", "indexselect")
 
 
 def kernel_device_ms(layer, hidden, grad) -> dict:

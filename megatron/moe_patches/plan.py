@@ -287,8 +287,6 @@ def exchange_config_errors(config) -> list:
                       "moe_pad_expert_input_to_capacity.")
     if config.moe_router_padding_for_quantization:
         errors.append(f"{flag} needs tokens x top-k rows per rank: unset moe_router_padding_for_quantization.")
-    if not config.moe_permute_fusion:
-        errors.append(f"{flag} needs the fused permute: set moe_permute_fusion=True (--moe-permute-fusion).")
     if config.overlap_moe_expert_parallel_comm:
         errors.append(f"{flag} runs one exchange at a time through shared buffers: unset "
                       "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm).")
@@ -390,7 +388,7 @@ def _graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Optio
         return "pipeline parallelism: micro-batches in flight would share the graph's static buffers"
     if config.moe_token_dispatcher_type not in (ALLTOALL, ALLGATHER):
         return f"the {config.moe_token_dispatcher_type} dispatcher (graph-safe: alltoall, allgather)"
-    if not config.moe_permute_fusion:
+    if not config.moe_permute_fusion and exchange.name != SYMMETRIC_MEMORY:  # F12 sends tokens unpermuted
         return "the unfused permute selects tokens with a host sync: set --moe-permute-fusion"
     if config.moe_expert_capacity_factor is not None:
         return "token dropping (--moe-expert-capacity-factor); megatron-core's own graphs cover drop-and-pad"

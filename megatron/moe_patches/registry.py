@@ -366,9 +366,10 @@ SERIES: Tuple[Feature, ...] = (
     Feature(
         id="F12",
         title="Sync-free expert-parallel exchange",
-        changes="With moe_symmetric_exchange the alltoall dispatcher sends tokens to their experts' "
-        "ranks through peer-mapped symmetric memory (one Triton store kernel each way, routing "
-        "derived on the GPU), landing them grouped by local expert: no host sync, no chunk sort.",
+        changes="With moe_symmetric_exchange the alltoall dispatcher sends each token once to every rank "
+        "owning an expert it picked, through peer-mapped symmetric memory (one Triton store kernel, "
+        "routing metadata sent beside the tokens); each owner lays out its experts' rows on the GPU and "
+        "returns one summed row per token: no host sync, no permute, no chunk sort, no unpermute.",
         fields=("moe_symmetric_exchange",),
         upstream=("none: this project's exchange (megatron-core 0.16.1's alltoall dispatcher, "
                   "NCCL all_to_all_single with host split sizes, is what it replaces)",),

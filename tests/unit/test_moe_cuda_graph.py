@@ -324,6 +324,17 @@ GRAPHABLE_NEIGHBOURS = [
 ]
 
 
+def test_the_exchange_needs_no_fused_permute_for_graphs(graphable, monkeypatch):
+    """F12 sends tokens unpermuted, so at EP 2 through it the unfused permute is no reason to
+    refuse the graphs; over NCCL it still is."""
+    from megatron.moe_patches import plan as moe_plan
+
+    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: None)  # a GPU node
+    exchange = dict(expert_model_parallel_size=2, moe_symmetric_exchange=True, moe_permute_fusion=False)
+    assert graph_blocker(graphable(**exchange)) is None
+    assert "--moe-permute-fusion" in graph_blocker(graphable(moe_permute_fusion=False))
+
+
 @pytest.mark.parametrize("fields", [row[1] for row in GRAPHABLE_NEIGHBOURS], ids=[row[0] for row in GRAPHABLE_NEIGHBOURS])
 def test_the_graph_tables_neighbours_stay_graphable(graphable, fields):
     assert graph_blocker(graphable(**fields)) is None

@@ -1,8 +1,8 @@
-"""F12 on the CPU: the routing tables of the symmetric exchange against a row-by-row
-reference, the config rules, and the fallback to NCCL. The kernels and the EP=2 numerics
-run on the GPU (tests/gpu/test_symmetric_exchange.py)."""
+"""F12 on the CPU: the owners' row layout against a token-by-token reference, the config
+rules, the fallback to NCCL, and the exchange's protocol with ranks in threads (torch
+stand-ins for the store kernel). The kernels and the EP=2/EP=4 numerics run on the GPU
+(tests/gpu/test_symmetric_exchange.py)."""
 
-import bisect
 import dataclasses
 import logging
 import types
@@ -11,102 +11,71 @@ import pytest
 import torch
 
 from megatron.moe_patches import plan as moe_plan
-from megatron.moe_patches.dispatch.symmetric_exchange import ExchangePlan, owner_rows_bound
+from megatron.moe_patches.dispatch.symmetric_exchange import OwnerRows, TokenRoutes, owner_rows_bound
 from megatron.moe_patches.plan import exchange_config_errors
 
 
-def _random_counts(ep, local, seed, empty_rank=None):
+def _random_routing(ep, local, tokens, topk, seed, allowed=None):
+    """[ep ranks] of [tokens, experts] routing maps (top-k distinct experts among ``allowed``)
+    and probs."""
     generator = torch.Generator().manual_seed(seed)
-    counts_SE = torch.randint(0, 5, (ep, ep * local), generator=generator)
-    counts_SE[:, 0] = 0  # an expert nobody sends to
-    if empty_rank is not None:  # a rank whose experts receive nothing
-        counts_SE[:, empty_rank * local:(empty_rank + 1) * local] = 0
-    return counts_SE
+    experts = ep * local
+    allowed = torch.tensor(allowed if allowed is not None else range(experts))
+    maps, probs = [], []
+    for _ in range(ep):
+        routing = torch.zeros(tokens, experts, dtype=torch.bool)
+        for t in range(tokens):
+            routing[t, allowed[torch.randperm(len(allowed), generator=generator)[:topk]]] = True
+        maps.append(routing)
+        probs.append(torch.rand(tokens, experts, generator=generator) * routing)
+    return maps, probs
 
 
-def _send(chunks, rows):
-    """Row-by-row: where each of the sender's first ``rows`` rows goes, as the push kernel
-    must place it, in the sender's row order; rows in no chunk are not sent."""
-    ends = chunks.ends_C.tolist()
-    placed = {}
-    for c, end in enumerate(ends):
-        start = ends[c - 1] if c else 0
-        for i in range(end - start):
-            row = int(chunks.src_C[c]) + i
-            assert row not in placed, "a row sent twice"
-            placed[row] = (int(chunks.peer_C[c]), int(chunks.dest_C[c]) + i)
-    return [placed[row] for row in sorted(placed) if row < rows]
+def _metadata_at(owner, routes, probs):
+    """What ``owner`` receives: slot s * tokens + t = source s's metadata row for it."""
+    tokens = routes[0].tokens
+    return torch.cat([r.metadata(p)[owner * tokens:(owner + 1) * tokens] for r, p in zip(routes, probs)])
 
 
-def _peer_order(chunks):
-    """The peers in the order the sender's chunks reach them (each peer once)."""
-    sizes = torch.diff(chunks.ends_C, prepend=chunks.ends_C.new_zeros(1)).tolist()
-    order = []
-    for peer, size in zip(chunks.peer_C.tolist(), sizes):
-        if size and peer not in order:
-            order.append(peer)
-    return order
-
-
-@pytest.mark.parametrize("ep,local,empty_rank", [(2, 3, None), (2, 1, 1), (3, 2, 0), (4, 5, 2)])
-def test_rows_land_grouped_by_local_expert_and_come_back(ep, local, empty_rank):
-    counts_SE = _random_counts(ep, local, seed=ep * 10 + local, empty_rank=empty_rank)
-    plans = [ExchangePlan(counts_SE, rank, int(counts_SE[rank].sum()), 10**6) for rank in range(ep)]
-    # Sender s's rows, sorted by global expert, labelled (s, g, i).
-    sent = {s: [(s, g, i) for g in range(ep * local) for i in range(int(counts_SE[s, g]))] for s in range(ep)}
-    received = {p: {} for p in range(ep)}
-    for s in range(ep):
-        for label, (peer, dest) in zip(sent[s], _send(plans[s].to_owners, len(sent[s]))):
-            assert dest not in received[peer], "two rows stored at one place"
-            received[peer][dest] = label
+@pytest.mark.parametrize("ep,local,tokens,topk,allowed", [
+    (2, 3, 5, 2, None), (2, 1, 4, 2, None), (3, 2, 6, 3, None), (4, 5, 7, 4, None),
+    (4, 2, 6, 2, [0, 1, 2, 3]),  # ranks 2 and 3 receive nothing
+    (2, 4, 5, 3, [1, 2, 3, 5, 6]),  # experts nobody picks
+])
+def test_owners_lay_tokens_out_expert_major_as_megatron_core_sorts_them(ep, local, tokens, topk, allowed):
+    """Owner p's expert rows: local expert e, then source rank s, then token order (the order
+    megatron-core's permute and chunk sort give), each row a copy of its token."""
+    maps, probs = _random_routing(ep, local, tokens, topk, seed=ep * 10 + local, allowed=allowed)
+    routes = [TokenRoutes(m, ep, topk) for m in maps]
     for p in range(ep):
-        # Expert-major: local expert e, then source s, then the sender's order.
-        expected = [(s, p * local + e, i) for e in range(local) for s in range(ep)
-                    for i in range(int(counts_SE[s, p * local + e]))]
-        assert [received[p][row] for row in range(len(received[p]))] == expected
-        assert plans[p].tokens_per_local_expert.tolist() == [
-            int(counts_SE[:, p * local + e].sum()) for e in range(local)]
-    # Combine: each owner row returns to the row its sender sent it from.
-    returned = {s: {} for s in range(ep)}
-    for p in range(ep):
-        rows = [received[p][row] for row in range(len(received[p]))]
-        for label, (peer, dest) in zip(rows, _send(plans[p].to_sources, len(rows))):
-            assert peer == label[0]
-            returned[peer][dest] = label
-    for s in range(ep):
-        assert [returned[s][row] for row in range(len(sent[s]))] == sent[s]
-    # The kernel walks the tables as flat int64 arrays.
-    for plan in plans:
-        for table in (*plan.to_owners, *plan.to_sources):
-            assert table.is_contiguous() and table.dtype == torch.int64
+        owner = routes[p].receive_metadata(_metadata_at(p, routes, probs))
+        expected = [(s, t, e) for e in range(local) for s in range(ep) for t in range(tokens)
+                    if maps[s][t, p * local + e]]
+        bound = routes[p].rows_bound
+        assert bound == owner_rows_bound(ep, tokens, topk, local)
+        assert owner.slot_B.tolist() == [s * tokens + t for s, t, _ in expected] + [ep * tokens] * (bound - len(expected))
+        assert owner.probs_B.tolist() == pytest.approx(
+            [float(probs[s][t, p * local + e]) for s, t, e in expected] + [0.0] * (bound - len(expected)))
+        assert owner.tokens_per_local_expert.tolist() == [sum(1 for x in expected if x[2] == e) for e in range(local)]
+        for row, (s, t, e) in enumerate(expected):  # every slot knows its rows, by local expert
+            assert int(owner.rows_SL[s * tokens + t, e]) == row
+            assert row in owner.rows_SK[s * tokens + t].tolist()
+        for slot in range(ep * tokens):
+            rows = [r for r in owner.rows_SK[slot].tolist() if r >= 0]
+            assert rows == sorted(rows) == sorted(r for r in owner.rows_SL[slot].tolist() if r >= 0)
+            assert owner.rows_SK[slot].tolist()[len(rows):] == [-1] * (owner.rows_SK.shape[1] - len(rows))
 
 
-@pytest.mark.parametrize("ep,rank", [(2, 0), (2, 1), (4, 3)])
-def test_counts_go_to_every_peer_at_the_senders_row(ep, rank):
-    from megatron.moe_patches.dispatch.symmetric_exchange import SymmetricExchange
-
-    group = types.SimpleNamespace(rank=lambda: rank, size=lambda: ep, group_name="ep")
-    route = SymmetricExchange(group, topk=2)._count_chunks(torch.device("cpu"))
-    # copy p of this rank's counts row -> peer p, row `rank` of its [ep, experts] buffer
-    assert _send(route, ep) == [(p, rank) for p in range(ep)]
-
-
-def test_rows_past_the_last_chunk_stay_home():
-    counts_SE = torch.tensor([[1, 2], [0, 1]])
-    plan = ExchangePlan(counts_SE, 0, 3, 10)
-    assert len(_send(plan.to_owners, 10)) == 3  # the kernel sends only the chunks' rows
-
-
-@pytest.mark.parametrize("ep", [2, 4, 8])
-def test_senders_start_on_different_owners(ep):
-    """Rows go peer by peer from the next rank on, this rank's own last: at any point of the
-    stores each owner takes one sender's rows, both ways (rows sorted by owner would send
-    every sender's first rows to owner 0)."""
-    counts_SE = torch.randint(1, 4, (ep, ep * 3), generator=torch.Generator().manual_seed(ep))
-    plans = [ExchangePlan(counts_SE, rank, int(counts_SE[rank].sum()), 10**6) for rank in range(ep)]
-    for rank, plan in enumerate(plans):
-        for chunks in (plan.to_owners, plan.to_sources):
-            assert _peer_order(chunks) == [(rank + k) % ep for k in range(1, ep + 1)]
+def test_senders_address_each_owner_once_per_token():
+    """Token t goes to rank p (slot p * tokens + t) iff it picked one of p's experts, and comes
+    back from there; a token that picks two experts of one rank is sent once."""
+    routing = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)  # 2 ranks x 2 experts
+    routes = TokenRoutes(routing, ep=2, topk=2)
+    assert routes.to_owners_X1.flatten().tolist() == [0, 1, -1, -1, 1, 2]
+    assert routes.from_owners_TP.tolist() == [[0, -1], [1, 4], [-1, 5]]
+    meta = routes.metadata(torch.tensor([[0.5, 0.25, 0, 0], [0, 0.75, 0.125, 0], [0, 0, 0, 1.0]]))
+    assert meta[1].tolist() == [0, 0.75, 0, 1]  # token 1 for rank 0: probs of experts 0, 1, then picks
+    assert meta[5].tolist() == [0, 1.0, 0, 1]  # token 2 for rank 1
 
 
 def test_owner_bound_covers_every_token_choosing_this_rank():
@@ -128,7 +97,7 @@ def _config(**overrides):
     ({"moe_token_dispatcher_type": "allgather"}, ["moe_token_dispatcher_type='alltoall'"]),
     ({"moe_device_tokens_per_expert": False}, ["--moe-device-tokens-per-expert"]),
     ({"moe_expert_capacity_factor": 1.0}, ["moe_expert_capacity_factor"]),
-    ({"moe_permute_fusion": False}, ["--moe-permute-fusion"]),
+    ({"moe_permute_fusion": False}, []),  # tokens go unpermuted: the fused permute is not needed
     ({"overlap_moe_expert_parallel_comm": True}, ["--overlap-moe-expert-parallel-comm"]),
     ({"expert_tensor_parallel_size": 2}, ["expert_tensor_parallel_size=1"]),
     ({"moe_router_padding_for_quantization": True}, ["unset moe_router_padding_for_quantization"]),
@@ -177,50 +146,57 @@ class _FakeExchange:
     def __init__(self):
         self.calls = []
 
-    def plan(self, counts_E, tokens):
-        self.calls.append(("plan", counts_E.tolist(), tokens))
-        return types.SimpleNamespace(tokens_per_local_expert=torch.tensor([5, 7]))
+    def routes(self, routing_map):
+        self.calls.append(("routes", routing_map.shape))
+        return types.SimpleNamespace(owner=None)
 
-    def dispatch(self, plan, x, probs):
-        self.calls.append(("dispatch", plan, x.shape[0]))
-        return x * 2, probs
+    def dispatch(self, routes, x, probs):
+        self.calls.append(("dispatch", routes, tuple(x.shape), tuple(probs.shape)))
+        routes.owner = types.SimpleNamespace(tokens_per_local_expert=torch.tensor([5, 7]))
+        return x * 2, probs[:, 0]
 
-    def combine(self, plan, y):
-        self.calls.append(("combine", plan, y.shape[0]))
+    def combine(self, routes, y):
+        self.calls.append(("combine", routes, y.shape[0]))
         return y + 1
 
 
-def test_dispatcher_routes_through_the_exchange_and_never_asks_the_host(moe_config):
+def test_dispatcher_sends_tokens_unpermuted_and_never_asks_the_host(moe_config):
+    """Behind the exchange the dispatcher hands it the tokens and [tokens, experts] probs as
+    they are (each owner lays out its experts' rows), takes the experts' counts from the
+    dispatch, and returns the combine's one row per token without an unpermute."""
     from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher, alltoall_permute_step
     from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
+    from megatron.moe_patches.dispatch.permute_pad import TokenRows
 
     config = moe_config(moe_device_tokens_per_expert=True, moe_router_topk=2)
     dispatcher = object.__new__(PatchedAlltoAllTokenDispatcher)  # no __init__: it needs CUDA streams
     fake = _FakeExchange()
     dispatcher.config, dispatcher.exchange = config, SymmetricMemoryAllToAll(fake)
     dispatcher.shared_experts = None
-    dispatcher.permute_step = alltoall_permute_step(config, moe_plan.plan_for(config).exchange)
+    dispatcher.permute_step = alltoall_permute_step(
+        config, dataclasses.replace(moe_plan.plan_for(config).exchange, name=moe_plan.SYMMETRIC_MEMORY))
+    assert isinstance(dispatcher.permute_step, TokenRows)
     routing_map = torch.zeros(6, 8, dtype=torch.bool)
     routing_map[torch.arange(6), torch.arange(6) % 8] = True
     routing_map[torch.arange(6), 7] = True
+    x_TH, probs_TE = torch.randn(6, 4), torch.rand(6, 8)
 
-    tokens_per_expert = dispatcher.preprocess(routing_map)
-    assert tokens_per_expert.tolist() == [5, 7] and dispatcher.num_out_tokens == 12
-    assert fake.calls[0] == ("plan", routing_map.sum(0).tolist(), 6)
+    x_RH, probs_R = dispatcher.dispatch_preprocess(x_TH.view(6, 1, 4), routing_map, probs_TE)
+    assert fake.calls[0] == ("routes", routing_map.shape) and dispatcher.num_out_tokens == 12
+    assert torch.equal(x_RH, x_TH) and probs_R is probs_TE  # no permute
     # No split size is copied to the host at any sync point.
     for point in ("before_permutation_1", "before_ep_alltoall", "before_permutation_2", "before_finish"):
-        assert dispatcher._maybe_dtoh_and_synchronize(point, tokens_per_expert) is tokens_per_expert
+        assert dispatcher._maybe_dtoh_and_synchronize(point, None) is None
 
-    plan = dispatcher.exchange_plan
-    x, probs = torch.ones(12, 4), torch.full((12,), 0.5)
-    received, received_probs = dispatcher.token_dispatch(x, probs)
-    assert torch.equal(received, x * 2) and fake.calls[1] == ("dispatch", plan, 12)
-    dispatcher.tokens_per_expert = tokens_per_expert
+    routes = dispatcher.exchange_plan
+    received, received_probs = dispatcher.token_dispatch(x_RH, probs_R)
+    assert torch.equal(received, x_TH * 2) and fake.calls[1] == ("dispatch", routes, (6, 4), (6, 8))
     out, counts, out_probs = dispatcher.dispatch_postprocess(received, received_probs)
-    assert out is received and counts is tokens_per_expert and out_probs is received_probs  # no chunk sort
+    assert out is received and counts.tolist() == [5, 7] and out_probs is received_probs  # no chunk sort
     assert dispatcher.combine_preprocess(out) is out
-    assert torch.equal(dispatcher.token_combine(out), out + 1)
-    assert fake.calls[2] == ("combine", plan, 12)
+    combined = dispatcher.token_combine(out)
+    assert torch.equal(combined, out + 1) and fake.calls[2] == ("combine", routes, 6)
+    assert torch.equal(dispatcher.combine_postprocess(combined), (x_TH * 2 + 1).view(6, 1, 4))  # no unpermute
 
 
 def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
@@ -290,55 +266,39 @@ def test_a_new_buffer_is_zeroed_before_the_peers_can_map_it(monkeypatch):
     assert peers.bases.tolist() == [1, 2]
 
 
-def _zero_from(b, used):  # the tail-zeroing kernels' math, out of place
-    inside = (torch.arange(b.shape[0]) < used).view(-1, *[1] * (b.dim() - 1))
-    return torch.where(inside, b, torch.zeros((), dtype=b.dtype))
+def _stand_in_kernels(monkeypatch, sx):
+    """torch versions of the store kernel's two uses (the GPU tests hold the kernel to them):
+    ``bases`` is the list of every rank's buffer here."""
+
+    def push_slots(src, index_XK, bases, *, rank, ep, tokens):
+        for slot, rows in enumerate(index_XK.tolist()):
+            rows = [r for r in rows if r >= 0]
+            if rows:
+                peer, t = divmod(slot, tokens)
+                bases[peer][rank * tokens + t] = src[rows].sum(dim=0)
+
+    def sum_rows(src, index_TK, out):
+        for t, rows in enumerate(index_TK.tolist()):
+            rows = [r for r in rows if r >= 0]
+            if rows:
+                out[t] = src[rows].sum(dim=0)
+
+    monkeypatch.setattr(sx, "push_slots", push_slots)
+    monkeypatch.setattr(sx, "sum_rows", sum_rows)
 
 
-def test_only_the_dispatched_rows_are_copied_out_of_their_buffer(monkeypatch):
-    """The experts save the dispatched tokens for the backward: a copy (tail zeroed). The
-    output gradients and the other direction hand out the buffer itself (read once, before
-    this direction's next exchange), the owners' tail zeroed in place."""
-    from megatron.moe_patches.dispatch import symmetric_exchange as sx
-
-    handle = types.SimpleNamespace(barrier=lambda channel=0: None)
-    buffers = {}
-
-    def peers(direction, rows, like):  # ep = 1: this rank is every row's destination
-        local = buffers.setdefault(direction, torch.full((rows, *like.shape[1:]), 7, dtype=like.dtype))
-        return sx._Peers(local, local, handle)  # "bases": the buffer itself, for the stand-in push
-
-    def push(x_RC, chunks, buffer):
-        for row, (_, dest) in enumerate(_send(chunks, x_RC.shape[0])):
-            buffer[dest] = x_RC[row]
-
-    exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 0, size=lambda: 1, group_name="ep"), topk=1)
-    monkeypatch.setattr(exchange, "_peers", peers)
-    monkeypatch.setattr(sx, "push_rows", push)
-    monkeypatch.setattr(sx, "copy_rows_zero_tail", _zero_from)
-    monkeypatch.setattr(sx, "zero_rows_from", lambda b, used: b.copy_(_zero_from(b, used)))
-    plan = ExchangePlan(torch.tensor([[2, 1]]), 0, rows_sent=3, rows_bound=5)
-    x = torch.arange(6.0).view(3, 2)
-    (owners,) = exchange.send_to_owners(plan, x, keep=True)
-    assert owners.data_ptr() != buffers["owners"].data_ptr() and torch.equal(owners[:3], x) and not owners[3:].any()
-    (sources,) = exchange.send_to_sources(plan, owners)
-    assert sources.data_ptr() == buffers["sources"].data_ptr() and torch.equal(sources, x)
-    buffers["owners"].fill_(7)  # what an earlier exchange left
-    (grads,) = exchange.send_to_owners(plan, x * 2, keep=False)
-    assert grads.data_ptr() == buffers["owners"].data_ptr() and torch.equal(grads[:3], x * 2) and not grads[3:].any()
-
-
-def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkeypatch):
-    """The host-side protocol with 2 ranks in threads: counts, rows and gradients through the
-    buffers every layer shares (a barrier per buffer, as torch's signal pads pair them), the
-    returned rows handed out uncopied. Stores and copies are stand-ins for the kernels (their
-    placement is the row-by-row reference above); results against the same math without
-    any exchange."""
+@pytest.mark.parametrize("ep", [2, 3])
+def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers(monkeypatch, ep):
+    """The host-side protocol with ranks in threads: metadata, tokens and gradients through
+    the buffers every layer shares (a barrier per exchange, as torch's signal pads pair
+    them), against the same math without any exchange. The buffers start as NaN but for the
+    owners' zero row (what an earlier exchange may have left): nothing stale reaches a
+    result, and the experts' tail rows are zero."""
     import threading
 
     from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
-    ep, local, topk, tokens = 2, 2, 2, 5
+    local, topk, tokens = 2, 3, 5
     experts = ep * local
     buffers, barriers, lock = {}, {}, threading.Lock()
 
@@ -347,53 +307,42 @@ def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkey
             key = (direction, rows, tuple(like.shape[1:]), like.dtype)
             with lock:
                 if key not in buffers:
-                    buffers[key] = [torch.full((rows, *like.shape[1:]), float("nan")).to(like.dtype)
+                    buffers[key] = [torch.full((rows, *like.shape[1:]), float("nan"), dtype=like.dtype)
                                     for _ in range(ep)]
+                    for buffer in buffers[key]:
+                        buffer[-1] = 0  # _allocate zeroes a new buffer; the owners' last row stays so
                     barriers[key] = threading.Barrier(ep, timeout=20)
             handle = types.SimpleNamespace(barrier=lambda channel=0: barriers[key].wait())
             return sx._Peers(buffers[key][rank], buffers[key], handle)
         return peers
 
-    def push(x_RC, chunks, peer_buffers):
-        for row, (peer, dest) in enumerate(_send(chunks, x_RC.shape[0])):
-            peer_buffers[peer][dest] = x_RC[row]
-
-    monkeypatch.setattr(sx, "push_rows", push)
-    monkeypatch.setattr(sx, "copy_rows_zero_tail", _zero_from)
-    monkeypatch.setattr(sx, "zero_rows_from", lambda b, used: b.copy_(_zero_from(b, used)))
-    generator = torch.Generator().manual_seed(3)
-    inputs = []
-    for rank in range(ep):  # each token picks top-k distinct experts; rows sorted by expert
-        picks = torch.stack([torch.randperm(experts, generator=generator)[:topk] for _ in range(tokens)])
-        expert_R = picks.flatten().sort().values
-        x_RH = torch.randn(tokens * topk, 3, generator=generator, dtype=torch.float64)
-        probs_R = torch.rand(tokens * topk, generator=generator, dtype=torch.float64)
-        inputs.append((expert_R, x_RH, probs_R))
-
-    def scale_of(expert_R):  # the "experts": owner-side rows times (local expert index + 2)
-        return (expert_R % local + 2).to(torch.float64)
-
-    results, errors = {}, []
+    _stand_in_kernels(monkeypatch, sx)
+    maps, probs = _random_routing(ep, local, tokens, topk, seed=3 + ep)
+    inputs = [torch.randn(tokens, 3, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+              for r in range(ep)]
+    scale_E = torch.arange(experts, dtype=torch.float64) % local + 2  # expert e: rows times (e % local + 2)
+    results, errors, tails = {}, [], []
 
     def run(rank):
         try:
             exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: rank, size=lambda: ep,
                                                                   group_name="ep"), topk=topk)
             exchange._peers = peers_of(rank)
-            expert_R, x0, p0 = inputs[rank]
-            x_RH, probs_R = x0.clone().requires_grad_(), p0.clone().requires_grad_()
-            counts_E = torch.bincount(expert_R, minlength=experts)
-            h = x_RH
+            x_TH = inputs[rank].clone().requires_grad_()
+            probs_TE = probs[rank].double().requires_grad_()
+            h = x_TH
             for _ in range(2):  # two layers: the same buffers, one after the other
-                plan = exchange.plan(counts_E, tokens)
-                x_BH, p_B = exchange.dispatch(plan, h, probs_R)
-                ends = torch.cumsum(plan.tokens_per_local_expert, 0)
+                routes = exchange.routes(maps[rank])
+                x_BH, p_B = exchange.dispatch(routes, h, probs_TE)
+                ends = torch.cumsum(routes.owner.tokens_per_local_expert, 0)
+                used = int(ends[-1])
+                tails.append(bool(x_BH[used:].eq(0).all() and p_B[used:].eq(0).all()))
                 local_B = torch.searchsorted(ends, torch.arange(x_BH.shape[0]), right=True).clamp(max=local - 1)
                 y_BH = x_BH * (local_B + 2).to(x_BH.dtype)[:, None] * p_B[:, None]
-                h = exchange.combine(plan, y_BH) * 1.0  # the unpermute: reads the handed-out rows once
+                h = exchange.combine(routes, y_BH)
             (h * torch.arange(1.0, 4.0, dtype=torch.float64)).sum().backward()
-            results[rank] = (h.detach(), x_RH.grad, probs_R.grad)
-        except Exception as error:  # noqa: BLE001 - reported below, with the other rank released
+            results[rank] = (h.detach(), x_TH.grad, probs_TE.grad)
+        except Exception as error:  # noqa: BLE001 - reported below, with the other ranks released
             errors.append(error)
             for barrier in barriers.values():
                 barrier.abort()
@@ -404,16 +353,19 @@ def test_two_ranks_two_layers_forward_and_backward_through_shared_buffers(monkey
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
+    assert tails and all(tails)
     for rank in range(ep):
-        expert_R, x0, p0 = inputs[rank]
-        x_RH, probs_R = x0.clone().requires_grad_(), p0.clone().requires_grad_()
-        s = scale_of(expert_R)[:, None]
-        expected = x_RH * s * probs_R[:, None] * s * probs_R[:, None]
+        x_TH = inputs[rank].clone().requires_grad_()
+        probs_TE = probs[rank].double().requires_grad_()
+        weights_T = (probs_TE * maps[rank] * scale_E).sum(dim=1, keepdim=True)  # one layer: x * sum_e p_e s_e
+        expected = x_TH * weights_T * weights_T
         (expected * torch.arange(1.0, 4.0, dtype=torch.float64)).sum().backward()
         out, dx, dp = results[rank]
-        torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
-        torch.testing.assert_close(dx, x_RH.grad, rtol=0, atol=1e-12)
-        torch.testing.assert_close(dp, probs_R.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx, x_TH.grad, rtol=1e-12, atol=1e-12)
+        # The probs and their gradients travel as fp32 (the router's dtype): rounded once.
+        torch.testing.assert_close(dp * maps[rank], probs_TE.grad * maps[rank], rtol=2**-23, atol=0)
+        assert not dp[~maps[rank]].any()  # no gradient for experts a token did not pick
 
 
 # --- which process can run the exchange (the plan's exchange), one rule at a time ---------------
@@ -550,9 +502,10 @@ def test_the_flag_at_ep1_is_said_to_exchange_nothing_and_its_rules_still_hold(mo
         PatchedTransformerConfig(**_config(moe_token_dispatcher_type="allgather"))
 
 
-def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(hopper_node, monkeypatch):
-    """The exchange lands rows grouped by local expert: at EP 2 the dispatcher skips the chunk
-    sort when (and because) it has an exchange; without one it sorts as megatron-core does."""
+def test_the_dispatcher_skips_permute_and_chunk_sort_behind_the_exchange(hopper_node, monkeypatch):
+    """The exchange sends tokens and lays rows out by local expert: at EP 2 the dispatcher
+    neither permutes nor sorts chunks when (and because) it has an exchange; without one it
+    permutes and sorts as megatron-core does."""
     from megatron.moe_patches.dispatch import dispatchers
 
     _stub_stock_alltoall(monkeypatch)
@@ -561,40 +514,35 @@ def test_the_dispatcher_skips_the_chunk_sort_behind_the_exchange(hopper_node, mo
     from megatron.moe_patches.dispatch import exchanges
 
     monkeypatch.setattr(exchanges, "SymmetricExchange", lambda group, topk: asked.append((group, topk)) or exchange)
+    from megatron.moe_patches.dispatch.permute_pad import PlainPermute, TokenRows
+
     dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
     assert dispatcher.exchange.symmetric is exchange and asked == [("ep-group", 8)]
-    assert dispatcher.exchange.lands_grouped_by_local_expert
+    assert dispatcher.exchange.lands_grouped_by_local_expert and isinstance(dispatcher.permute_step, TokenRows)
     monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: "no CUDA device")
-    assert not dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config()).exchange.lands_grouped_by_local_expert
+    nccl = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
+    assert not nccl.exchange.lands_grouped_by_local_expert and isinstance(nccl.permute_step, PlainPermute)
 
 
-def test_a_plan_is_sized_from_tokens_times_topk(monkeypatch):
+def test_routes_are_sized_from_tokens_and_topk():
     from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
     exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 1, size=lambda: 2, group_name="ep"), topk=3)
-    counts_SE = torch.tensor([[1, 2, 0, 3], [2, 0, 2, 2]])
-    monkeypatch.setattr(exchange, "gather_counts", lambda counts_E: counts_SE)
-    plan = exchange.plan(counts_SE[1], tokens=2)
-    assert plan.rows_sent == 6  # the sender's rows: tokens x top-k
-    assert plan.rows_bound == sx.owner_rows_bound(2, 2, 3, 2) == 8
-    assert plan.tokens_per_local_expert.tolist() == [0 + 2, 3 + 2]
+    routes = exchange.routes(torch.zeros(4, 6, dtype=torch.bool))
+    assert (routes.tokens, routes.local, routes.rows_bound) == (4, 3, owner_rows_bound(2, 4, 3, 3)) == (4, 3, 24)
+    assert routes.to_owners_X1.shape == (8, 1) and routes.from_owners_TP.shape == (4, 2)
 
 
-def test_the_owners_tail_starts_after_the_rows_received_not_the_rows_sent(monkeypatch):
-    """Rank 0 sends 3 rows and receives 5: the tail zeroing keeps all 5 received rows."""
-    from megatron.moe_patches.dispatch import symmetric_exchange as sx
-
-    counts_SE = torch.tensor([[1, 2], [4, 0]])  # rank 0 sends 3 rows, receives 1 + 4 = 5
-    plan = ExchangePlan(counts_SE, 0, rows_sent=3, rows_bound=8)
-    assert int(plan.to_owners.ends_C[-1]) == 3 and int(plan.to_sources.ends_C[-1]) == 5
-    exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: 0, size=lambda: 2, group_name="ep"), topk=1)
-    buffer = torch.full((8, 2), 7.0)
-    monkeypatch.setattr(exchange, "_send", lambda chunks, rows, direction, tensors: [buffer.clone() for _ in tensors])
-    monkeypatch.setattr(sx, "copy_rows_zero_tail", _zero_from)
-    monkeypatch.setattr(sx, "zero_rows_from", lambda b, used: b.copy_(_zero_from(b, used)))
-    for keep in (True, False):
-        (owners,) = exchange.send_to_owners(plan, torch.ones(3, 2), keep=keep)
-        assert owners[:5].eq(7).all() and not owners[5:].any(), (keep, owners)
+def test_an_owner_that_receives_more_rows_than_it_sends_keeps_them_all():
+    """Rank 0 keeps 1 of its 4 tokens and receives all 4 of rank 1's: 5 expert rows before
+    the tail (which copies the zero row, slot 8)."""
+    maps = [torch.tensor([[1, 0], [0, 1], [0, 1], [0, 1]], dtype=torch.bool),
+            torch.tensor([[1, 0]] * 4, dtype=torch.bool)]
+    routes = [TokenRoutes(m, ep=2, topk=1) for m in maps]
+    owner = routes[0].receive_metadata(_metadata_at(0, routes, [m.float() for m in maps]))
+    assert owner.tokens_per_local_expert.tolist() == [5]
+    assert owner.slot_B.tolist() == [0, 4, 5, 6, 7, 8, 8, 8]
+    assert owner.probs_B.tolist() == [1.0] * 5 + [0.0] * 3
 
 
 @pytest.mark.parametrize("graphs", [[], ["--cuda-graph-impl", "local", "--cuda-graph-scope", "moe"]],

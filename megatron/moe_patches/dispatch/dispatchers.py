@@ -9,7 +9,8 @@ in ``__init__``: an exchange (``exchanges``) and a permute step (``permute_pad``
 - ``PatchedAlltoAllTokenDispatcher``: exchange NCCL's all-to-all (megatron-core's; with
   F8 the experts' counts stay on the device, and with one source rank and no TP the chunk
   sort by local expert, the identity, is skipped) or the symmetric-memory one (F12: no
-  host split sizes, tokens land grouped by local expert); permute step plain or padded (F1).
+  host split sizes, each token sent once per owner, rows laid out by local expert there);
+  permute step plain, padded (F1), or none behind F12 (``TokenRows``).
 - The flex dispatcher's patched part is its HybridEP manager (F2, ``hybridep_blocks``);
   F1 and F8 do not apply to it (HybridEP pads and counts on device itself).
 
@@ -26,8 +27,8 @@ from megatron.core.transformer.moe.token_dispatcher import (
 
 from megatron.moe_patches.dispatch.exchanges import AllGather, alltoall_exchange
 from megatron.moe_patches.dispatch.permute_pad import (
-    DeviceCountPermute, PaddedPermute, PlainPermute, StaticPaddedPermute)
-from megatron.moe_patches.plan import plan_for
+    DeviceCountPermute, PaddedPermute, PlainPermute, StaticPaddedPermute, TokenRows)
+from megatron.moe_patches.plan import SYMMETRIC_MEMORY, plan_for
 
 
 def _exchange_plan(dispatcher):
@@ -47,8 +48,10 @@ def _padded_step(config, choice):
 
 
 def alltoall_permute_step(config, choice):
-    """F1's padded permute where the dispatcher pads (the plan's ``pad_align``), else
-    megatron-core's."""
+    """None behind F12's exchange (it moves tokens), F1's padded permute where the dispatcher
+    pads (the plan's ``pad_align``), else megatron-core's."""
+    if choice.name == SYMMETRIC_MEMORY:
+        return TokenRows()
     return PlainPermute.for_alltoall(config) if choice.pad_align is None else _padded_step(config, choice)
 
 

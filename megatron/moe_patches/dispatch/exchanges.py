@@ -13,7 +13,8 @@ and megatron-core's CUDA graph capture expect.
 - ``NcclAllToAllOneSource`` (F8 at EP 1 without TP): one source rank, so the chunk sort by
   local expert is the identity; it is skipped both ways.
 - ``SymmetricMemoryAllToAll`` (F12): ``symmetric_exchange.SymmetricExchange``, no split
-  size on the host, rows landing grouped by local expert.
+  size on the host, each token sent once per owner, rows laid out grouped by local expert
+  on the owner.
 
 The allgather dispatcher's exchange is ``AllGather`` (megatron-core's gather and
 reduce-scatter over TP x EP).
@@ -138,8 +139,10 @@ class NcclAllToAllOneSource(NcclAllToAllDeviceCounts):
 
 
 class SymmetricMemoryAllToAll(AlltoAllExchange):
-    """F12: rows through peer-mapped buffers (``symmetric_exchange.SymmetricExchange``); the
-    split sizes never leave the GPU and rows land grouped by local expert."""
+    """F12: tokens through peer-mapped buffers (``symmetric_exchange.SymmetricExchange``), each
+    once per owner; the split sizes never leave the GPU, each owner lays out its experts' rows
+    (grouped by local expert) and counts them, and the combine returns one row per token. The
+    dispatcher's permute step for it passes the tokens through (``permute_pad.TokenRows``)."""
 
     name = "symmetric memory"
     split_sizes_to_host = False
@@ -153,8 +156,8 @@ class SymmetricMemoryAllToAll(AlltoAllExchange):
     def preprocess(self, d, routing_map_TE):
         # Dropless (exchange_config_errors): tokens x top-k rows, known on the host.
         d.num_out_tokens = routing_map_TE.size(0) * d.config.moe_router_topk
-        d.exchange_plan = self.symmetric.plan(routing_map_TE.sum(dim=0), routing_map_TE.size(0))
-        return d.exchange_plan.tokens_per_local_expert
+        d.exchange_plan = self.symmetric.routes(routing_map_TE)
+        return None  # each owner counts its experts' rows from what the dispatch brings
 
     def update_sync_point(self, d, point):
         pass  # nothing goes to the host
@@ -162,8 +165,10 @@ class SymmetricMemoryAllToAll(AlltoAllExchange):
     def dtoh_and_synchronize(self, d, point, tokens_per_expert):
         return tokens_per_expert
 
-    def dispatch(self, d, x_RH, probs_R):
-        return self.symmetric.dispatch(d.exchange_plan, x_RH, probs_R)
+    def dispatch(self, d, x_TH, probs_TE):
+        x_BH, probs_B = self.symmetric.dispatch(d.exchange_plan, x_TH, probs_TE)
+        d.tokens_per_expert = d.exchange_plan.owner.tokens_per_local_expert
+        return x_BH, probs_B
 
     def dispatch_postprocess(self, d, x_RH, probs_R):
         return _hand_out_grouped(d, x_RH, probs_R)

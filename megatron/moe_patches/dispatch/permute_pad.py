@@ -3,6 +3,8 @@
 A dispatcher holds one step, chosen at construction (``dispatchers.alltoall_permute_step``,
 ``dispatchers.allgather_permute_step``):
 
+- ``TokenRows``: none at all, for F12's exchange, which sends tokens and lays out the
+  experts' rows on their owners.
 - ``PlainPermute``: megatron-core's permute and unpermute, called as its dispatchers call
   them (the alltoall dispatcher's routing map padded by the router where
   ``moe_router_padding_for_quantization`` asks for it); the experts pad if anyone does.
@@ -156,6 +158,25 @@ class PlainPermute:
             y_RH, row_id_map, restore_shape=restore_shape, routing_map=routing_map_TE,
             fused=self.fused, drop_and_pad=self.drop_and_pad,
         )
+
+
+class TokenRows:
+    """F12's exchange moves tokens, not rows: each owner lays out its experts' rows and the
+    combine returns one row per token, so the dispatcher neither permutes nor unpermutes."""
+
+    pads = False
+
+    def route(self, routing_map_TE: torch.Tensor) -> torch.Tensor:
+        return routing_map_TE
+
+    def align_splits(self, dispatcher, routing_map_TE, tokens_per_local_expert):
+        return tokens_per_local_expert
+
+    def permute(self, x_TH, probs_TE, routing_map_TE, num_out_tokens) -> Permuted:
+        return Permuted(x_TH, probs_TE, None, None, None, routing_map_TE)
+
+    def unpermute(self, y_TH, row_id_map, pad_offsets, restore_shape, routing_map_TE):
+        return y_TH.view(restore_shape)
 
 
 class DeviceCountPermute(PlainPermute):

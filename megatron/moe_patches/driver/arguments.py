@@ -1393,11 +1393,8 @@ def validate_config(args: argparse.Namespace, te_available: Optional[bool] = Non
         te_available = capabilities.te_version() is not None
     probed = TE_PROBED_FIELDS if patched else {**TE_PROBED_FIELDS, **NATIVE_TE_PROBED_FIELDS}
     deferred = [] if te_available else [n for n in probed if kwargs.get(n) not in (None, False)]
-    if "moe_permute_fusion" in deferred:  # the patch set's rules that read moe_permute_fusion
-        if kwargs.get("cuda_graph_impl") not in (None, "none"):
-            deferred.append("cuda_graph_impl")  # the MoE graph rule
-        if kwargs.get("moe_symmetric_exchange"):
-            deferred.append("moe_symmetric_exchange")  # F12 needs the fused permute
+    if "moe_permute_fusion" in deferred and kwargs.get("cuda_graph_impl") not in (None, "none"):
+        deferred.append("cuda_graph_impl")  # the MoE graph rule reads moe_permute_fusion
     # Left to setup() whole: the MoE graph rule at EP > 1 asks whether this process can run
     # F12's exchange, which needs a CUDA device; with none visible, that is the GPU check's to say.
     unjudged = []
