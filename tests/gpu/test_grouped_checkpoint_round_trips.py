@@ -212,3 +212,25 @@ def test_ep1_ep2_ep1_round_trip(single_gpu, tmp_path, layout):
     log = pretrain(layout, STEPS, tmp_path / "E", load=tmp_path / "B-damaged", launcher=torchrun, extra=ep2,
                    expect_failure=True)
     assert log.count(expected) >= 2, log[-3000:]  # named on both ranks
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="EP=4 needs 4 GPUs")
+def test_ep1_ep4_ep1_round_trip_through_the_exchange(single_gpu, tmp_path):
+    """The exchange layout saved at EP=1 (DP=4) resumes at EP=4 (two experts per rank) and
+    back, every tensor bitwise; the next step's loss at EP=4 follows EP=1's (4 sequences per
+    micro-batch, so that DP=4 divides the tiny recipe's global batch)."""
+    torchrun = ("torchrun", "--nproc-per-node", "4")
+    batch = ["--micro-batch-size", "4"]
+    ep4 = [*batch, "--expert-model-parallel-size", "4"]
+    x_next = pretrain("exchange", STEPS + 1, tmp_path / "A", launcher=torchrun,
+                      extra=[*batch, "--save-interval", str(STEPS)])[STEPS + 1]
+    (tmp_path / "A" / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+    y_next = pretrain("exchange", STEPS + 1, tmp_path / "D", load=tmp_path / "A", launcher=torchrun,
+                      extra=ep4)[STEPS + 1]
+    pretrain("exchange", STEPS, tmp_path / "B", load=tmp_path / "A", launcher=torchrun, extra=ep4)
+    pretrain("exchange", STEPS, tmp_path / "C", load=tmp_path / "B", launcher=torchrun, extra=batch)
+    a, b, c = tensors(tmp_path / "A"), tensors(tmp_path / "B"), tensors(tmp_path / "C")
+    print(json.dumps({"tensors": len(a), "a_vs_b": differences(a, b, tensors_only=True)[:4],
+                      "a_vs_c": differences(a, c)[:4], "next_loss": [x_next, y_next]}))
+    assert differences(a, b, tensors_only=True) == [] and differences(a, c) == []
+    assert abs(y_next - x_next) <= LOSS_RTOL * abs(x_next)
