@@ -22,6 +22,13 @@ What it does, and why there:
   list of args. ``enable`` wraps it wherever ``megatron.training`` binds it, so that the
   patch args come back from the checkpoint's saved args as well, by Megatron-LM's own
   rule for the args it restores.
+- The patch set's config rules before GPU start-up: Megatron-LM builds its
+  ``TransformerConfig`` (whose checks hold the patch set's rules) only at model
+  construction, after torch.distributed and the GPUs are set up. ``enable`` wraps
+  ``validate_args`` (and ``validate_yaml``, its ``--yaml-cfg`` twin) wherever
+  ``megatron.training`` binds them: once Megatron-LM's own checks pass, the config is built
+  from the args as Megatron-LM builds it, and a refused value ends the run with one
+  ``error:`` line naming it (exit status 2, as argparse), not a traceback after start-up.
 
 ``disable()`` undoes ``enable()`` exactly. Importing this module changes nothing and
 imports nothing of Megatron-LM.
@@ -32,18 +39,23 @@ import functools
 import importlib
 import os
 from types import ModuleType
-from typing import Callable, List, Optional, Set, Tuple
+import sys
+from typing import Callable, Dict, List, Set, Tuple
 
 from megatron.moe_patches.fields import PATCH_FIELDS
 from megatron.moe_patches.installer import apply, revert, status
 
-_CHECKPOINTING = "megatron.training.checkpointing"
-# Where Megatron-LM holds load_args_from_checkpoint: its defining module, and initialize, which
-# imported it by name and is the one that calls it.
-_CHECKPOINT_ARGS_OWNERS = (_CHECKPOINTING, "megatron.training.initialize")
+# What enable() wraps: (module, name) where Megatron-LM defines it, then the modules that
+# imported it by name (initialize calls them through its own names).
+_WRAPPED = {
+    "load_args_from_checkpoint": ("megatron.training.checkpointing", "megatron.training.initialize"),
+    "validate_args": ("megatron.training.arguments", "megatron.training.initialize"),
+    "validate_yaml": ("megatron.training.yaml_arguments", "megatron.training.initialize"),
+}
+_OPTIONAL = {"validate_yaml"}  # absent from some Megatron-LM versions: nothing to wrap there
 
-# (stock load_args_from_checkpoint, its wrapper) while enable() is in effect
-_hook: Optional[Tuple[Callable, Callable]] = None
+# name -> (Megatron-LM's function, its wrapper) while enable() is in effect
+_hooks: Dict[str, Tuple[Callable, Callable]] = {}
 # the series entries enable() applied (not those applied before it): what disable() reverts
 _enabled_features: Set[str] = set()
 # (megatron.core.datasets.utils, its compile_helpers) while enable() stands in for the build
@@ -51,37 +63,41 @@ _helpers_build = None
 
 
 def enable() -> None:
-    """Apply the patch series and make ``--use-checkpoint-args`` restore the patch args.
+    """Apply the patch series, make ``--use-checkpoint-args`` restore the patch args, and run
+    the patch set's config rules when Megatron-LM validates its args.
 
     Call it before Megatron-LM parses its flags (pretrain_gpt.py: first in its ``__main__``
     block). Calling it again changes nothing more. All or nothing: where a step fails (no
     Megatron-LM importable), what this call did is undone before the error is raised.
     """
-    before, hooked, standing_in = _applied_ids(), _hook is not None, _helpers_build is not None
+    before, hooked, standing_in = _applied_ids(), set(_hooks), _helpers_build is not None
     try:
         apply()
         _enabled_features.update(_applied_ids() - before)
-        _hook_checkpoint_args()
+        owners = _owners()
+        for name, make_wrapper in _WRAPPERS.items():
+            _wrap(name, owners, make_wrapper)
         _skip_dataset_helpers_build()
     except BaseException:
-        _undo(_applied_ids() - before, hook=not hooked, helpers_build=not standing_in)
+        _undo(_applied_ids() - before, hooks=set(_hooks) - hooked, helpers_build=not standing_in)
         raise
 
 
 def disable() -> None:
-    """Undo ``enable()``: unwrap ``load_args_from_checkpoint`` and revert the series entries
-    that ``enable()`` applied (entries applied before it stay)."""
-    _undo(set(_enabled_features), hook=True, helpers_build=True)
+    """Undo ``enable()``: unwrap Megatron-LM's functions and revert the series entries that
+    ``enable()`` applied (entries applied before it stay)."""
+    _undo(set(_enabled_features), hooks=set(_hooks), helpers_build=True)
 
 
-def _undo(features: Set[str], hook: bool, helpers_build: bool) -> None:
-    """Revert ``features`` and, where asked, unwrap ``load_args_from_checkpoint`` and put
+def _undo(features: Set[str], hooks: Set[str], helpers_build: bool) -> None:
+    """Revert ``features``, unwrap the functions named in ``hooks`` and, where asked, put
     back megatron-core's ``compile_helpers``."""
-    global _hook, _helpers_build
-    if hook and _hook is not None:
-        stock, wrapper = _hook
-        _bind_checkpoint_args(wrapper, stock)
-        _hook = None
+    global _helpers_build
+    for name in hooks:
+        stock, wrapper = _hooks.pop(name)
+        for module in _loaded_owners(name):
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, stock)
     if features:
         revert(sorted(features))
         _enabled_features.difference_update(features)
@@ -133,31 +149,42 @@ def _applied_ids() -> Set[str]:
     return {row.id for row in status() if row.state == "applied"}
 
 
-def _hook_checkpoint_args() -> None:
-    """Bind the wrapper where ``megatron.training`` holds ``load_args_from_checkpoint``:
-    ``initialize`` imported it by name, so patching the defining module alone misses it."""
-    global _hook
-    if _hook is not None:
+def _owners() -> Dict[str, ModuleType]:
+    """Every module of ``_WRAPPED``, imported before any is changed (an optional function's
+    modules may be missing)."""
+    owners = {}
+    for name, modules in _WRAPPED.items():
+        for module_name in modules:
+            try:
+                owners[module_name] = importlib.import_module(module_name)
+            except ImportError as err:
+                if name in _OPTIONAL and module_name == modules[0]:
+                    break
+                raise ImportError(f"megatron_lm.enable() needs Megatron-LM's `megatron.training` importable "
+                                  f"(a Megatron-LM checkout on PYTHONPATH): {err}") from err
+    return owners
+
+
+def _loaded_owners(name: str) -> List[ModuleType]:
+    return [sys.modules[m] for m in _WRAPPED[name] if m in sys.modules]
+
+
+def _wrap(name: str, owners: Dict[str, ModuleType], make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Bind ``make_wrapper(stock)`` wherever Megatron-LM holds ``name``: the modules that
+    imported it by name keep their own binding, so patching the defining module alone
+    misses them."""
+    defining = owners.get(_WRAPPED[name][0])
+    if name in _hooks or defining is None or not hasattr(defining, name):
+        if name not in _OPTIONAL and name not in _hooks:
+            raise ImportError(f"megatron_lm.enable(): Megatron-LM's {_WRAPPED[name][0]} has no {name}")
         return
-    stock = _checkpoint_args_owners()[0].load_args_from_checkpoint
-    wrapper = _restoring_patch_args(stock)
-    _bind_checkpoint_args(stock, wrapper)
-    _hook = (stock, wrapper)
-
-
-def _checkpoint_args_owners() -> List[ModuleType]:
-    """The modules of ``_CHECKPOINT_ARGS_OWNERS``, all imported before any is changed."""
-    try:
-        return [importlib.import_module(name) for name in _CHECKPOINT_ARGS_OWNERS]
-    except ImportError as err:
-        raise ImportError(f"megatron_lm.enable() needs Megatron-LM's `megatron.training` importable "
-                          f"(a Megatron-LM checkout on PYTHONPATH): {err}") from err
-
-
-def _bind_checkpoint_args(current: Callable, new: Callable) -> None:
-    for module in _checkpoint_args_owners():
-        if module.load_args_from_checkpoint is current:
-            module.load_args_from_checkpoint = new
+    stock = getattr(defining, name)
+    wrapper = make_wrapper(stock)
+    for module_name in _WRAPPED[name]:
+        module = owners.get(module_name)
+        if module is not None and getattr(module, name, None) is stock:
+            setattr(module, name, wrapper)
+    _hooks[name] = (stock, wrapper)
 
 
 def _restoring_patch_args(load_args_from_checkpoint: Callable) -> Callable:
@@ -173,6 +200,37 @@ def _restoring_patch_args(load_args_from_checkpoint: Callable) -> Callable:
     return load_args_with_patch_args
 
 
+def _checking_the_config(validate: Callable) -> Callable:
+    @functools.wraps(validate)
+    def validate_and_check_the_config(args, *rest, **kwargs):
+        result = validate(args, *rest, **kwargs)
+        check_config_before_start(result if isinstance(result, argparse.Namespace) else args)
+        return result
+
+    return validate_and_check_the_config
+
+
+def check_config_before_start(args: argparse.Namespace) -> None:
+    """Build the TransformerConfig from ``args`` as Megatron-LM's model builder does; a value
+    its checks refuse (the patch set's rules among them) ends the run with one ``error:`` line
+    and exit status 2, before torch.distributed and the GPUs start."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    try:
+        core_transformer_config_from_args(args)
+    except ValueError as error:
+        message = " ".join(str(error).split())
+        print(f"{os.path.basename(sys.argv[0] or 'pretrain_gpt.py')}: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+_WRAPPERS = {
+    "load_args_from_checkpoint": _restoring_patch_args,
+    "validate_args": _checking_the_config,
+    "validate_yaml": _checking_the_config,
+}
+
+
 def _report(names: List[str], checkpoint_args: argparse.Namespace) -> None:
     from megatron.training.utils import print_rank_0  # Megatron-LM is there once enable() ran
 
@@ -180,4 +238,4 @@ def _report(names: List[str], checkpoint_args: argparse.Namespace) -> None:
         print_rank_0(f"moe_patches: {name} = {getattr(checkpoint_args, name)!r} from the checkpoint's args")
 
 
-__all__ = ["enable", "disable", "restore_patch_args"]
+__all__ = ["enable", "disable", "restore_patch_args", "check_config_before_start"]

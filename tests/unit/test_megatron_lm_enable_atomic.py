@@ -23,7 +23,7 @@ def applied_ids():
 
 
 def assert_nothing_enabled():
-    assert megatron_lm._hook is None
+    assert megatron_lm._hooks == {}
     assert megatron_lm._enabled_features == set()
     assert megatron_lm._helpers_build is None
 
@@ -48,19 +48,27 @@ CHECKPOINTING = """
     def load_args_from_checkpoint(args, load_arg="load", checkpointing_context=None):
         return args
 """
-INITIALIZE = "from megatron.training.checkpointing import load_args_from_checkpoint\n"
+ARGUMENTS = """
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    def validate_args(args, defaults={}):
+        return args
+"""
+INITIALIZE = ("from megatron.training.checkpointing import load_args_from_checkpoint\n"
+              "from megatron.training.arguments import validate_args\n")
 
 
 @pytest.fixture
 def training(monkeypatch):
-    yield fake_training(monkeypatch, {"checkpointing": CHECKPOINTING, "initialize": INITIALIZE})
+    yield fake_training(monkeypatch, {"checkpointing": CHECKPOINTING, "arguments": ARGUMENTS,
+                                      "initialize": INITIALIZE})
     megatron_lm.disable()  # before the fake modules leave sys.modules
 
 
 @pytest.fixture
 def checkpointing_only(monkeypatch):
     """Megatron-LM's checkpointing imports, its initialize does not (a dependency missing)."""
-    yield fake_training(monkeypatch, {"checkpointing": CHECKPOINTING})
+    yield fake_training(monkeypatch, {"checkpointing": CHECKPOINTING, "arguments": ARGUMENTS})
     megatron_lm.disable()
 
 
@@ -84,6 +92,7 @@ def test_a_failed_enable_keeps_entries_applied_before_it(no_megatron_lm):
 
 def test_a_failure_in_the_last_step_unwraps_load_args_from_checkpoint(training, monkeypatch):
     stock = training.checkpointing.load_args_from_checkpoint
+    stock_validate = training.arguments.validate_args
 
     def fails():
         raise RuntimeError("no helpers")
@@ -93,6 +102,7 @@ def test_a_failure_in_the_last_step_unwraps_load_args_from_checkpoint(training, 
         megatron_lm.enable()
     assert training.checkpointing.load_args_from_checkpoint is stock
     assert training.initialize.load_args_from_checkpoint is stock
+    assert training.arguments.validate_args is stock_validate is training.initialize.validate_args
     assert not applied_ids()
     assert_nothing_enabled()
 

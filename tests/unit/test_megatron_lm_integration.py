@@ -93,13 +93,42 @@ FAKE_MODULES = {
             saved = SAVED_ARGS.get(getattr(args, load_arg))
             return args if saved is None else (args, saved)
     """,
-    # As Megatron-LM's initialize.py: the function imported by name, called through that name.
+    # As Megatron-LM's: its checks of the args, and the config built from them as its model
+    # builder does (every TransformerConfig field the args hold).
+    "arguments": """
+        import dataclasses
+        from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+        VALIDATED = []
+
+        def validate_args(args, defaults={}):
+            VALIDATED.append(args)
+            return args
+
+        def core_transformer_config_from_args(args, config_class=None):
+            config_class = config_class or TransformerConfig
+            names = {f.name for f in dataclasses.fields(config_class)}
+            return config_class(**{k: v for k, v in vars(args).items() if k in names})
+    """,
+    "yaml_arguments": """
+        from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+        def validate_yaml(args, defaults={}):
+            return args
+    """,
+    # As Megatron-LM's initialize.py: the functions imported by name, called through those names.
     "initialize": """
         from megatron.training.checkpointing import load_args_from_checkpoint
+        from megatron.training.arguments import validate_args
+        from megatron.training.yaml_arguments import validate_yaml
 
         def initialize_megatron(args):
             if args.use_checkpoint_args:
                 load_args_from_checkpoint(args)
+            if getattr(args, "yaml_cfg", None) is not None:
+                args = validate_yaml(args, {})
+            else:
+                validate_args(args, {})
             return args
     """,
     "utils": """
@@ -117,9 +146,13 @@ def fake_training(monkeypatch):
     megatron_lm.disable()  # before the fake modules leave sys.modules
 
 
+SMALL_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+
+
 def parsed_defaults(**given):
-    """The args Megatron-LM parses when no patch flag is given (plus ``given``)."""
-    return argparse.Namespace(**{f.name: f.default for f in PATCH_FIELDS}, **given)
+    """The args Megatron-LM parses for a small model when no patch flag is given (plus
+    ``given``)."""
+    return argparse.Namespace(**{**SMALL_MODEL, **{f.name: f.default for f in PATCH_FIELDS}, **given})
 
 
 def test_enable_applies_the_series(fake_training):
@@ -130,8 +163,10 @@ def test_enable_applies_the_series(fake_training):
     assert tc_module.TransformerConfig is STOCK_CONFIG and not applied_ids()
 
 
-def test_use_checkpoint_args_restores_the_patch_args(fake_training):
+def test_use_checkpoint_args_restores_the_patch_args(fake_training, monkeypatch):
     megatron_lm.enable()
+    # Every patch arg set at once contradicts itself; the config check is tested below.
+    monkeypatch.setattr(megatron_lm, "check_config_before_start", lambda args: None)
     fake_training.checkpointing.SAVED_ARGS["ckpt"] = argparse.Namespace(**saved_patch_args())
     args = parsed_defaults(load="ckpt", use_checkpoint_args=True)
 
@@ -175,6 +210,29 @@ def test_enable_twice_wraps_once_and_disable_restores_megatron_lm(fake_training)
     megatron_lm.disable()
     assert fake_training.checkpointing.load_args_from_checkpoint is stock
     assert fake_training.initialize.load_args_from_checkpoint is stock
+
+
+def test_megatron_lm_validating_its_args_checks_the_patch_config_before_start_up(fake_training, capsys):
+    """Megatron-LM builds the config at model construction, after the GPUs start; enable()
+    has it built when Megatron-LM validates its args, so a refused patch value ends the run
+    there: one error line naming the flag, exit status 2 (--yaml-cfg's validation too)."""
+    stock = fake_training.arguments.validate_args
+    megatron_lm.enable()
+    assert fake_training.initialize.validate_args is fake_training.arguments.validate_args is not stock
+    good = parsed_defaults(use_checkpoint_args=False, num_moe_experts=4, moe_grouped_gemm=True)
+    assert fake_training.initialize.initialize_megatron(good) is good
+    for yaml_cfg in (None, "recipe.yaml"):
+        bad = parsed_defaults(use_checkpoint_args=False, moe_symmetric_exchange=True, yaml_cfg=yaml_cfg)
+        with pytest.raises(SystemExit) as exited:
+            fake_training.initialize.initialize_megatron(bad)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ": error: " in err[0] and "--moe-symmetric-exchange" in err[0], err
+        if yaml_cfg is None:
+            assert fake_training.arguments.VALIDATED[-1] is bad  # Megatron-LM's own checks ran first
+    megatron_lm.disable()
+    assert fake_training.initialize.validate_args is fake_training.arguments.validate_args is stock
+    fake_training.initialize.initialize_megatron(bad)  # unwrapped: nothing checked here any more
 
 
 def test_disable_reverts_only_what_enable_applied(fake_training):
@@ -295,6 +353,26 @@ def test_megatron_lm_builds_the_config_with_the_patch_fields(megatron_training, 
     config = megatron_training.arguments.core_transformer_config_from_args(args)
     assert (config.moe_single_grouped_weight, config.moe_device_tokens_per_expert,
             config.moe_mlp_glu_interleave_size) == (True, True, 16)
+
+
+@real_megatron_lm
+def test_megatron_lm_refuses_a_contradicting_patch_flag_when_it_validates_its_args(megatron_training, monkeypatch,
+                                                                                  capsys):
+    """Megatron-LM's own validate_args, reached through initialize's binding as
+    initialize_megatron calls it: the exchange without device token counts is refused there,
+    one error line, exit status 2 (before torch.distributed starts)."""
+    megatron_lm.enable()
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+            "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+            "--micro-batch-size", "1", "--bf16", "--swiglu", "--num-experts", "4",
+            "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--moe-symmetric-exchange"]
+    args = megatron_parse_args(megatron_training, argv, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    with pytest.raises(SystemExit) as exited:
+        megatron_training.initialize.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    assert exited.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert len(err) == 1 and "--moe-device-tokens-per-expert" in err[0], err
 
 
 @real_megatron_lm
