@@ -6,7 +6,9 @@ reason megatron-core offers no seam there. Experts reach megatron-core through i
 (the spec provider's experts classes), configs through the config classes' public names.
 Nothing else is rebound. Installing sets each binding and keeps what was there; reverting puts
 it back, also in an optional owner module (Megatron-LM's) imported while the patch was on.
-Applying twice is applying once.
+Applying twice is applying once. A feature whose code calls or overrides a megatron-core method
+by name (``Feature.relies_on``) is skipped, with a warning naming it, where that method is
+missing: an override of a renamed method would otherwise silently stop applying.
 """
 
 import importlib
@@ -187,7 +189,21 @@ def _why_not(feature: Feature) -> Optional[FeatureStatus]:
         return FeatureStatus(
             feature.id, feature.title, "skipped", f"needs {', '.join(missing)} applied", te_ok
         )
+    absent = [path for path in feature.relies_on if not _resolvable(path)]
+    if absent:
+        return FeatureStatus(
+            feature.id, feature.title, "skipped",
+            f"megatron-core {version} has no {', '.join(absent)}, which it calls or overrides", te_ok
+        )
     return None
+
+
+def _resolvable(path: str) -> bool:
+    try:
+        _resolve(path)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def _apply_one(feature: Feature) -> None:
@@ -196,7 +212,9 @@ def _apply_one(feature: Feature) -> None:
             _apply_one(get(dep))
     blocked = _why_not(feature)
     if blocked is not None:
-        logger.info("moe_patches: %s", blocked.line())
+        # Skipped for a missing megatron-core method is a surprise worth a warning.
+        level = logging.WARNING if "which it calls or overrides" in blocked.reason else logging.INFO
+        logger.log(level, "moe_patches: %s", blocked.line())
         return
     installed = [_install(binding) for binding in feature.bindings]
     _applied[feature.id] = installed

@@ -57,6 +57,10 @@ class Feature:
     module: str
     bindings: Tuple[Binding, ...]
     requires: Tuple[str, ...] = ("C0",)
+    # megatron-core's methods the feature's code calls or overrides by name ("pkg.module:Class.name"):
+    # where one is missing (renamed upstream), an override would silently stop applying, so
+    # apply() skips the feature and says which.
+    relies_on: Tuple[str, ...] = ()
 
 
 def _f6_native() -> bool:
@@ -98,6 +102,7 @@ def _config_bindings() -> Tuple[Binding, ...]:
 
 _MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 _DISPATCHERS = "megatron.moe_patches.dispatch.dispatchers:"
+_TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _PICKS_DISPATCHER = ("MoELayer.__init__ picks its dispatcher class by this name; a MoELayer subclass in the layer "
                      "spec would fail TransformerLayer's `submodules.mlp.module in (MoELayer, ...)` test")
 _SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
@@ -145,6 +150,14 @@ SERIES: Tuple[Feature, ...] = (
             Binding(_MOE_LAYER, "MoEAlltoAllTokenDispatcher", _DISPATCHERS + "PatchedAlltoAllTokenDispatcher",
                     _PICKS_DISPATCHER),
         ),
+        relies_on=tuple(
+            f"{_TOKEN_DISPATCHER}:{cls}.{name}" for cls, names in (
+                ("MoEAlltoAllTokenDispatcher", ("dispatch_preprocess", "preprocess", "_maybe_update_cuda_sync_point",
+                                                "_maybe_dtoh_and_synchronize", "token_dispatch", "dispatch_postprocess",
+                                                "combine_preprocess", "token_combine", "combine_postprocess")),
+                ("MoEAllGatherTokenDispatcher", ("token_dispatch", "dispatch_postprocess", "combine_preprocess",
+                                                 "token_combine")),
+            ) for name in names),
     ),
     Feature(
         id="F2",

@@ -188,7 +188,7 @@ def test_dispatcher_sends_tokens_unpermuted_and_never_asks_the_host(moe_config):
     for point in ("before_permutation_1", "before_ep_alltoall", "before_permutation_2", "before_finish"):
         assert dispatcher._maybe_dtoh_and_synchronize(point, None) is None
 
-    routes = dispatcher.exchange_plan
+    routes = dispatcher.exchange.routes
     received, received_probs = dispatcher.token_dispatch(x_RH, probs_R)
     assert torch.equal(received, x_TH * 2) and fake.calls[1] == ("dispatch", routes, (6, 4), (6, 8))
     out, counts, out_probs = dispatcher.dispatch_postprocess(received, received_probs)

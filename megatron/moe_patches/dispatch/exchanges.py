@@ -2,9 +2,11 @@
 object per exchange, chosen once when the dispatcher is built.
 
 The alltoall dispatcher (``dispatchers.PatchedAlltoAllTokenDispatcher``) hands each of its
-phases to its exchange, with itself as ``d``: the per-step state (split sizes, counts, the
-exchange plan) stays on the dispatcher, under megatron-core's names, as the stock methods
-and megatron-core's CUDA graph capture expect.
+phases to its exchange, with itself as ``d``: the per-step state megatron-core's methods read
+(split sizes, counts) stays on the dispatcher, under megatron-core's names, as the stock
+methods and megatron-core's CUDA graph capture expect; what only an exchange of this package
+reads (F12's routes) stays on the exchange. The stock methods the NCCL exchanges call are in
+the registry (F1's ``relies_on``): apply() refuses F1 where megatron-core lacks one.
 
 - ``NcclAllToAll``: megatron-core's own (NCCL ``all_to_all_single`` with host split sizes,
   its sync points, the receiver's chunk sort by local expert), run by its own methods.
@@ -152,11 +154,12 @@ class SymmetricMemoryAllToAll(AlltoAllExchange):
 
     def __init__(self, symmetric):
         self.symmetric = symmetric
+        self.routes = None  # the current step's TokenRoutes (set by preprocess)
 
     def preprocess(self, d, routing_map_TE):
         # Dropless (exchange_config_errors): tokens x top-k rows, known on the host.
         d.num_out_tokens = routing_map_TE.size(0) * d.config.moe_router_topk
-        d.exchange_plan = self.symmetric.routes(routing_map_TE)
+        self.routes = self.symmetric.routes(routing_map_TE)  # this layer's step, until its combine
         return None  # each owner counts its experts' rows from what the dispatch brings
 
     def update_sync_point(self, d, point):
@@ -166,8 +169,8 @@ class SymmetricMemoryAllToAll(AlltoAllExchange):
         return tokens_per_expert
 
     def dispatch(self, d, x_TH, probs_TE):
-        x_BH, probs_B = self.symmetric.dispatch(d.exchange_plan, x_TH, probs_TE)
-        d.tokens_per_expert = d.exchange_plan.owner.tokens_per_local_expert
+        x_BH, probs_B = self.symmetric.dispatch(self.routes, x_TH, probs_TE)
+        d.tokens_per_expert = self.routes.owner.tokens_per_local_expert  # megatron-core's name, read next
         return x_BH, probs_B
 
     def dispatch_postprocess(self, d, x_RH, probs_R):
@@ -177,7 +180,7 @@ class SymmetricMemoryAllToAll(AlltoAllExchange):
         return y_RH
 
     def combine(self, d, y_RH, async_finish, allocate_on_comm_stream):
-        return self.symmetric.combine(d.exchange_plan, y_RH)
+        return self.symmetric.combine(self.routes, y_RH)
 
 
 def alltoall_exchange(choice, ep_group, topk: int) -> AlltoAllExchange:
