@@ -44,15 +44,12 @@ from typing import Callable, Dict, List, Set, Tuple
 
 from megatron.moe_patches.fields import PATCH_FIELDS
 from megatron.moe_patches.installer import apply, revert, status
+from megatron.moe_patches.registry import MEGATRON_LM_WRAPS
 
-# What enable() wraps: (module, name) where Megatron-LM defines it, then the modules that
-# imported it by name (initialize calls them through its own names).
-_WRAPPED = {
-    "load_args_from_checkpoint": ("megatron.training.checkpointing", "megatron.training.initialize"),
-    "validate_args": ("megatron.training.arguments", "megatron.training.initialize"),
-    "validate_yaml": ("megatron.training.yaml_arguments", "megatron.training.initialize"),
-}
-_OPTIONAL = {"validate_yaml"}  # absent from some Megatron-LM versions: nothing to wrap there
+# What enable() wraps, where, and why: the registry's table (the dataset helpers' stand-in, its
+# last row, is set apart: only where the wheel ships them built).
+_WRAPPED = {wrap.name: wrap.owners for wrap in MEGATRON_LM_WRAPS if wrap.name != "compile_helpers"}
+_OPTIONAL = {wrap.name for wrap in MEGATRON_LM_WRAPS if wrap.optional}
 
 # name -> (Megatron-LM's function, its wrapper) while enable() is in effect
 _hooks: Dict[str, Tuple[Callable, Callable]] = {}

@@ -430,3 +430,37 @@ def get(feature_id: str) -> Feature:
         return BY_ID[feature_id]
     except KeyError:
         raise KeyError(f"unknown patch {feature_id!r}; the series is {', '.join(BY_ID)}") from None
+
+
+# --- what megatron_lm.enable() changes in Megatron-LM's loop (apply() binds nothing there) -------
+
+
+@dataclass(frozen=True)
+class LoopWrap:
+    """A function of Megatron-LM's training package that ``megatron_lm.enable()`` replaces by a
+    wrapper (or a stand-in) for the run: ``owners`` lists the module that defines it first,
+    then the modules that imported it by name and call it through that name; ``optional``: a
+    Megatron-LM version may lack it; ``reason``: why, and why no seam of Megatron-LM reaches
+    there."""
+
+    name: str
+    owners: Tuple[str, ...]
+    reason: str
+    optional: bool = False
+
+
+MEGATRON_LM_WRAPS: Tuple[LoopWrap, ...] = (
+    LoopWrap("load_args_from_checkpoint", ("megatron.training.checkpointing", "megatron.training.initialize"),
+             "--use-checkpoint-args restores a fixed list of Megatron-LM's args; the wrapper restores the patch "
+             "args from the checkpoint's saved args too, by Megatron-LM's rule"),
+    LoopWrap("validate_args", ("megatron.training.arguments", "megatron.training.initialize"),
+             "Megatron-LM builds the config (whose checks hold the patch set's rules) only at model construction, "
+             "after the GPUs start; the wrapper builds it when the args are validated, so a refused value is one "
+             "error line before start-up"),
+    LoopWrap("validate_yaml", ("megatron.training.yaml_arguments", "megatron.training.initialize"),
+             "validate_args' twin for --yaml-cfg runs", optional=True),
+    LoopWrap("compile_helpers", ("megatron.core.datasets.utils",),
+             "start-up builds megatron-core's dataset helpers with make in megatron-core's folder; the wheel ships "
+             "them built but without the Makefile, so where they import the build is skipped (a stand-in)",
+             optional=True),
+)

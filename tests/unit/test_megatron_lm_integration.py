@@ -235,6 +235,23 @@ def test_megatron_lm_validating_its_args_checks_the_patch_config_before_start_up
     fake_training.initialize.initialize_megatron(bad)  # unwrapped: nothing checked here any more
 
 
+def test_every_name_enable_rebinds_in_megatron_lm_is_in_the_registry(fake_training):
+    """What enable() changes in Megatron-LM's modules is listed in the registry: apply()'s
+    bindings (the config classes) or MEGATRON_LM_WRAPS, each with its reason."""
+    from megatron.moe_patches.registry import MEGATRON_LM_WRAPS, SERIES
+
+    modules = {name: module for name, module in sys.modules.items() if name.startswith("megatron.training.")}
+    before = {(m, a): v for m, module in modules.items() for a, v in vars(module).items()}
+    megatron_lm.enable()
+    changed = {(m, a) for m, module in modules.items() for a, v in vars(module).items()
+               if before.get((m, a), object()) is not v}
+    listed = {(owner, wrap.name) for wrap in MEGATRON_LM_WRAPS for owner in wrap.owners}
+    listed |= {(b.owner, b.attribute) for feature in SERIES for b in feature.bindings}
+    assert changed and changed <= listed, changed - listed
+    assert {("megatron.training.initialize", "validate_args"),
+            ("megatron.training.checkpointing", "load_args_from_checkpoint")} <= changed
+
+
 def test_disable_reverts_only_what_enable_applied(fake_training):
     apply(["C0"])
     megatron_lm.enable()
