@@ -29,6 +29,11 @@ What it does, and why there:
   ``megatron.training`` binds them: once Megatron-LM's own checks pass, the config is built
   from the args as Megatron-LM builds it, and a refused value ends the run with one
   ``error:`` line naming it (exit status 2, as argparse), not a traceback after start-up.
+- Batches without host waits at TP 1: Megatron-LM's ``get_batch_on_this_tp_rank`` broadcasts
+  each micro-batch within the tensor-parallel group and makes a device tensor from a host
+  int on the way (the host waits for the GPU twice per micro-batch), even when the group is
+  this rank alone. ``enable`` wraps it (in ``megatron.training.utils`` and in pretrain_gpt.py,
+  which imported it by name): at TP 1 the same tensors go to the GPU, without the waits.
 
 ``disable()`` undoes ``enable()`` exactly. Importing this module changes nothing and
 imports nothing of Megatron-LM.
@@ -221,10 +226,38 @@ def check_config_before_start(args: argparse.Namespace) -> None:
         raise SystemExit(2) from None
 
 
+# The batch keys Megatron-LM's get_batch_on_this_tp_rank returns, in its order (pretrain_gpt.py
+# unpacks the values it leaves in the dict by position).
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "cu_seqlens", "max_seqlen",
+              "local_cp_size")
+
+
+def _to_gpu(tensor):
+    return tensor.cuda(non_blocking=True)
+
+
+def _moving_batches_at_tp1(get_batch_on_this_tp_rank: Callable) -> Callable:
+    @functools.wraps(get_batch_on_this_tp_rank)
+    def get_batch_without_waits_at_tp1(data_iterator, *rest, **kwargs):
+        from megatron.core import parallel_state
+        from megatron.training import get_args
+
+        if (parallel_state.get_tensor_model_parallel_world_size() != 1
+                or getattr(get_args(), "hybrid_context_parallel", False)):
+            return get_batch_on_this_tp_rank(data_iterator, *rest, **kwargs)
+        # TP 1: this rank is the whole group, so the broadcasts change nothing; the batch is
+        # Megatron-LM's own, moved to the GPU as it moves it.
+        data = next(data_iterator)
+        return {key: _to_gpu(data[key]) if key in data else None for key in BATCH_KEYS}
+
+    return get_batch_without_waits_at_tp1
+
+
 _WRAPPERS = {
     "load_args_from_checkpoint": _restoring_patch_args,
     "validate_args": _checking_the_config,
     "validate_yaml": _checking_the_config,
+    "get_batch_on_this_tp_rank": _moving_batches_at_tp1,
 }
 
 

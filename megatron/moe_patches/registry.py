@@ -459,6 +459,12 @@ MEGATRON_LM_WRAPS: Tuple[LoopWrap, ...] = (
              "error line before start-up"),
     LoopWrap("validate_yaml", ("megatron.training.yaml_arguments", "megatron.training.initialize"),
              "validate_args' twin for --yaml-cfg runs", optional=True),
+    LoopWrap("get_batch_on_this_tp_rank", ("megatron.training.utils", "__main__"),
+             "each micro-batch's batch is broadcast within the tensor-parallel group, and the packed-sequence "
+             "length first becomes a device tensor from a host int (the host waits for the GPU twice per "
+             "micro-batch) even at TP 1, where the group is this rank alone: at TP 1 the wrapper moves the same "
+             "tensors to the GPU without the waits. pretrain_gpt.py imports it by name before enable() runs, "
+             "hence its __main__ module", optional=True),
     LoopWrap("compile_helpers", ("megatron.core.datasets.utils",),
              "start-up builds megatron-core's dataset helpers with make in megatron-core's folder; the wheel ships "
              "them built but without the Makefile, so where they import the build is skipped (a stand-in)",

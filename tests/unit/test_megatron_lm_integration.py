@@ -134,6 +134,11 @@ FAKE_MODULES = {
     "utils": """
         PRINTED = []
         print_rank_0 = PRINTED.append
+        STOCK_BATCHES = []
+
+        def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=False):
+            STOCK_BATCHES.append(mtp_on_this_rank)
+            return {"stock": next(data_iterator)}
     """,
 }
 
@@ -250,6 +255,44 @@ def test_every_name_enable_rebinds_in_megatron_lm_is_in_the_registry(fake_traini
     assert changed and changed <= listed, changed - listed
     assert {("megatron.training.initialize", "validate_args"),
             ("megatron.training.checkpointing", "load_args_from_checkpoint")} <= changed
+
+
+def test_batches_at_tp1_reach_the_gpu_without_the_broadcasts(fake_training, monkeypatch):
+    """At TP 1 the wrapped get_batch_on_this_tp_rank returns Megatron-LM's batch (its keys in
+    its order, absent ones None) moved to the GPU, without the stock function's broadcasts;
+    at TP > 1 and with hybrid context parallelism the stock function runs. Wrapped where
+    Megatron-LM defines it and in the __main__ module that imported it by name."""
+    import types as types_module
+
+    from megatron.core import parallel_state
+
+    utils = fake_training.utils
+    stock = utils.get_batch_on_this_tp_rank
+    main = types_module.ModuleType("__main__")
+    main.get_batch_on_this_tp_rank = stock  # pretrain_gpt.py's `from megatron.training.utils import ...`
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    args = argparse.Namespace(hybrid_context_parallel=False)
+    monkeypatch.setattr(fake_training, "get_args", lambda: args, raising=False)
+    tp = {"size": 1}
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp["size"])
+    moved = []
+    monkeypatch.setattr(megatron_lm, "_to_gpu", lambda t: moved.append(t) or t * 10)
+
+    megatron_lm.enable()
+    wrapped = utils.get_batch_on_this_tp_rank
+    assert wrapped is not stock and main.get_batch_on_this_tp_rank is wrapped
+    data = {"tokens": torch.tensor([1, 2]), "labels": torch.tensor([3, 4]), "loss_mask": torch.tensor([1.0, 0.0]),
+            "position_ids": torch.tensor([0, 1])}
+    batch = main.get_batch_on_this_tp_rank(iter([data]), mtp_on_this_rank=False)
+    assert list(batch) == list(megatron_lm.BATCH_KEYS) and utils.STOCK_BATCHES == []
+    assert torch.equal(batch["tokens"], data["tokens"] * 10) and len(moved) == 4
+    assert batch["attention_mask"] is None and batch["cu_seqlens"] is None
+    tp["size"] = 2
+    assert wrapped(iter(["x"]), mtp_on_this_rank=True) == {"stock": "x"} and utils.STOCK_BATCHES == [True]
+    tp["size"], args.hybrid_context_parallel = 1, True
+    assert wrapped(iter(["y"])) == {"stock": "y"}
+    megatron_lm.disable()
+    assert utils.get_batch_on_this_tp_rank is stock and main.get_batch_on_this_tp_rank is stock
 
 
 def test_disable_reverts_only_what_enable_applied(fake_training):
