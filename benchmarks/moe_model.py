@@ -76,59 +76,7 @@ VARIANTS = {
     "graphed": FAST + GRAPHS + NO_FUSION,
     # F13: Megatron-LM's default gradient-accumulation fusion, without APEX
     "graphed-fused": FAST + GRAPHS,
-    # an experiment on Megatron-LM's loop: graphed-fused with its batches taken without host syncs
-    # (SYNC_FREE_BATCH below); the driver's batches have none
-    "graphed-fused-sync-free-batch": FAST + GRAPHS,
 }
-SYNC_FREE_BATCH = "MOE_MODEL_SYNC_FREE_BATCH"
-
-
-def sync_free_batches() -> None:
-    """Megatron-LM's get_batch_on_this_tp_rank broadcasts each micro-batch within the tensor-parallel
-    group and, for the packed-sequence lengths, first makes a device tensor from a host int
-    (``torch.tensor(n, device=...)``: the host waits for the GPU twice per micro-batch), even at
-    TP 1, where the group is this rank alone. With TP 1 this stand-in moves the same tensors to
-    the GPU and returns the same batch, without the waits (bound before pretrain_gpt.py imports it)."""
-    from megatron.core import parallel_state
-    from megatron.training import utils
-
-    stock = utils.get_batch_on_this_tp_rank
-    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "cu_seqlens", "max_seqlen",
-            "local_cp_size")
-
-    def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=False):
-        if parallel_state.get_tensor_model_parallel_world_size() != 1:
-            return stock(data_iterator, mtp_on_this_rank)
-        data = next(data_iterator)
-        return {k: data[k].cuda(non_blocking=True) if k in data else None for k in keys}
-
-    utils.get_batch_on_this_tp_rank = get_batch_on_this_tp_rank
-BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
-PRECISIONS = {
-    "bf16": [],
-    "fp8": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
-    "fp8-blockwise": BLOCKWISE,
-    "fp8-blockwise-bf16-wgrad": BLOCKWISE + ["--no-fp8-wgrad"],
-}
-LOOPS = ("megatron-lm", "driver")
-PEAK_LINE = "benchmark peak allocated MiB:"
-# Kernel families of the profiled iteration, first match wins (lower-case substrings).
-FAMILIES = (
-    ("attention", ("flash", "fmha", "cudnn", "attn")),
-    ("expert GEMMs", ("grouped", "groupproblemshape", "_scaled_mm", "f8f8", "deep_gemm")),
-    ("fp32 grad accumulation", ("cudafunctor_add<float>",)),
-    ("optimizer", ("multi_tensor", "adam", "l2norm", "scale_kernel")),
-    ("FP8 quantization", ("cast_transpose", "quantize", "weight_tiles_kernel", "rows_kernel", "both_kernel", "amax")),
-    ("other GEMMs", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
-    ("permute / routing", ("permute", "sort", "topk", "router", "histogram", "cumsum", "scatter", "gather",
-                           "index")),
-    ("normalization / rope", ("norm", "rope", "rotary")),
-    ("loss / embedding", ("cross_entropy", "embedding", "log_softmax", "vocab")),
-    ("communication", ("nccl",)),
-    ("memcpy / memset", ("memcpy", "memset")),
-)
-
-
 def run_child(loop: str) -> None:
     """Inside the torchrun worker: run the loop's pretrain_gpt.py, then print torch's peak."""
     import torch
@@ -137,9 +85,6 @@ def run_child(loop: str) -> None:
     if loop == "megatron-lm":
         from megatron.moe_patches.testing import megatron_lm_pretrain
 
-        if os.environ.get(SYNC_FREE_BATCH) == "1":
-            sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
-            sync_free_batches()
         megatron_lm_pretrain.main()
     else:
         sys.argv[0] = str(ROOT / "pretrain_gpt.py")
@@ -163,8 +108,6 @@ def launch(loop, variant, precision, iters, global_batch, extra=()):
                                                       env.get("MEGATRON_LM_PATH")]))
     if loop == "megatron-lm" and variant == "stock":
         env["MEGATRON_LM_AS_SHIPPED"] = "1"
-    if variant.endswith("sync-free-batch"):
-        env[SYNC_FREE_BATCH] = "1"
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=540)
     return run.returncode, run.stdout + run.stderr
 
