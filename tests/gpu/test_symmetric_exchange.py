@@ -71,6 +71,7 @@ def _reference_push(src, index_XK, buffers, rank, tokens):
     (4, 50, 3, 2048, torch.bfloat16),  # a combine: up to 3 expert rows per slot, summed
     (3, 20, 1, 10, torch.float32),  # metadata rows
     (4, 9, 8, 4096, torch.bfloat16),
+    (8, 33, 8, 2048, torch.bfloat16),  # EP 8: a combine's sums of up to 8 expert rows
 ])
 def test_store_kernel_places_and_sums_rows_with_ranks_simulated(ep, tokens, k, cols, dtype):
     """All 'ranks' on one GPU: their buffers' addresses in one table, as peers map them.

@@ -40,6 +40,7 @@ def _metadata_at(owner, routes, probs):
 @pytest.mark.parametrize("ep,local,tokens,topk,allowed", [
     (2, 3, 5, 2, None), (2, 1, 4, 2, None), (3, 2, 6, 3, None), (4, 5, 7, 4, None),
     (4, 2, 6, 2, [0, 1, 2, 3]),  # ranks 2 and 3 receive nothing
+    (8, 2, 5, 4, None),
     (2, 4, 5, 3, [1, 2, 3, 5, 6]),  # experts nobody picks
 ])
 def test_owners_lay_tokens_out_expert_major_as_megatron_core_sorts_them(ep, local, tokens, topk, allowed):
@@ -287,7 +288,7 @@ def _stand_in_kernels(monkeypatch, sx):
     monkeypatch.setattr(sx, "sum_rows", sum_rows)
 
 
-@pytest.mark.parametrize("ep", [2, 3])
+@pytest.mark.parametrize("ep", [2, 3, 8])
 def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers(monkeypatch, ep):
     """The host-side protocol with ranks in threads: metadata, tokens and gradients through
     the buffers every layer shares (a barrier per exchange, as torch's signal pads pair
