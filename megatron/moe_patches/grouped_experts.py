@@ -43,7 +43,7 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
         plan = plan_for(config)
         # The backend picks FC1's and FC2's classes (TE's device splits) before stock builds them.
-        submodules = plan.backend.expert_submodules(config, submodules)
+        submodules = plan.backend.expert_submodules(config, submodules, plan)
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
         if plan.single_grouped_refusal is not None:
             raise ValueError(plan.single_grouped_refusal)

@@ -3,10 +3,10 @@
 ``plan_for(config)`` answers, once per config, every "can this run here" question of the
 patch set: the expert backend (and why each preferred one cannot run), who pads the routed
 tokens for quantized experts and to what alignment (F1/F3), the expert-parallel exchange
-and the dispatcher's options (F8, F12), whether single grouped parameters can be held (F5)
-and whether the MoE layer can be captured as a CUDA graph (F11). Config validation, the
-experts' and the dispatchers' construction and the graph capture read it; nothing else
-decides. Each refusal keeps its reason, and what falls back from what the config asked for
+and the dispatcher's options (F8, F12), whether single grouped parameters can be held (F5),
+whether the MoE layer can be captured as a CUDA graph (F11) and whether the TE backend hands
+TE's GroupedLinear the device token counts (F8). Config validation, the experts' and the
+dispatchers' construction and the graph capture read it; nothing else decides. Each refusal keeps its reason, and what falls back from what the config asked for
 is logged once (``MoEPlan.log_choices``, called where the layer is built).
 
 Backends declare what they support as class attributes (``experts/backend.py``,
@@ -429,6 +429,8 @@ class MoEPlan:
     notes: Tuple[Tuple[int, str], ...]  # (level, line): fallbacks from what the config asked for
     # gradient_accumulation_fusion: the experts add their weight gradients into main_grad in the GEMM
     wgrad_into_main_grad: bool = False
+    # the TE backend hands TE's GroupedLinear the device counts too (m_splits_tensor, F8)
+    te_device_splits: bool = False
 
     @property
     def backend_refusals(self) -> Tuple[Tuple[str, str], ...]:
@@ -481,6 +483,13 @@ def _wgrad_into_main_grad(config, backend, notes) -> bool:
     return backend.wgrad_into_main_grad
 
 
+def _te_device_splits(config, backend) -> bool:
+    """Whether the TE backend's FCs take the device counts: the config asks for them and TE's
+    module GroupedLinear takes ``m_splits_tensor`` (ROCm's TE)."""
+    return (issubclass(backend, TEBackend) and bool(patch_option(config, "moe_device_tokens_per_expert"))
+            and cap.te_grouped_linear_device_splits())
+
+
 def make_plan(config) -> MoEPlan:
     """The plan for ``config`` in this process, computed afresh (``plan_for`` caches it)."""
     notes = []
@@ -508,6 +517,7 @@ def make_plan(config) -> MoEPlan:
         expert_tp_size=expert_tp_size(config),
         notes=tuple(notes),
         wgrad_into_main_grad=wgrad_into_main_grad,
+        te_device_splits=_te_device_splits(config, backend),
     )
 
 

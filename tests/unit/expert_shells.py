@@ -8,6 +8,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 
 from megatron.moe_patches.experts.padding import NOBODY, PaddingPlan
+from megatron.moe_patches.plan import plan_for
 
 
 class ShellGroupedLinear(torch.nn.Module):
@@ -28,7 +29,7 @@ def experts_shell(backend_class, config, experts, fc1_shape, fc2_shape, bias=Fal
     is megatron-core's) holding FC1 [out, in] and FC2 [out, in] per expert, and the plan's
     padding (``padding_plan``: nobody pads unless given) and F13's option (``wgrad_into_main_grad``)."""
     submodules = backend_class.expert_submodules(
-        config, MLPSubmodules(linear_fc1=ShellGroupedLinear, linear_fc2=ShellGroupedLinear))
+        config, MLPSubmodules(linear_fc1=ShellGroupedLinear, linear_fc2=ShellGroupedLinear), plan_for(config))
     generator = torch.Generator().manual_seed(seed)
     owner = MegatronModule(config)
     owner.num_local_experts = experts

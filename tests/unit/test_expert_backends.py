@@ -271,7 +271,9 @@ def test_te_backend_warns_once_when_device_splits_were_asked_for(caplog, monkeyp
     from megatron.moe_patches import fields
 
     monkeypatch.setattr(fields, "_said", set())
-    owner = types.SimpleNamespace(config=cfg(fp8=None, params_dtype=torch.float32, bf16=False))
+    # FCs not built from the device-splits spec (no TE here): the host copy stays
+    owner = types.SimpleNamespace(config=cfg(fp8=None, params_dtype=torch.float32, bf16=False),
+                                  linear_fc1=None, linear_fc2=None)
     with caplog.at_level(logging.INFO, logger=eb.__name__):
         eb.TEBackend(owner)
         eb.TEBackend(owner)

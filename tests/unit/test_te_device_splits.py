@@ -16,6 +16,7 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches import fields
 from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches.plan import plan_for
 
 EXPERTS, HIDDEN, FFN = 3, 8, 4
 
@@ -101,7 +102,8 @@ def experts_module(linear_class, **config_overrides):
     })
     experts = torch.nn.Module()
     experts.config, experts.num_local_experts = config, EXPERTS
-    submodules = eb.TEBackend.expert_submodules(config, MLPSubmodules(linear_fc1=linear_class, linear_fc2=linear_class))
+    submodules = eb.TEBackend.expert_submodules(
+        config, MLPSubmodules(linear_fc1=linear_class, linear_fc2=linear_class), plan_for(config))
     experts.linear_fc1 = submodules.linear_fc1(EXPERTS, HIDDEN, 2 * FFN)
     experts.linear_fc2 = submodules.linear_fc2(EXPERTS, FFN, HIDDEN)
     experts.activation_func = config.activation_func
@@ -252,20 +254,20 @@ def test_the_spec_chooses_the_classes_and_live_modules_keep_theirs(te_with):
     linear_class = te_with(takes_device_splits=True)
     config = experts_module(linear_class).config
     submodules = MLPSubmodules(linear_fc1=ModuleSpec(module=linear_class, params={"x": 1}), linear_fc2=linear_class)
-    chosen = eb.TEBackend.expert_submodules(config, submodules)
+    chosen = eb.TEBackend.expert_submodules(config, submodules, plan_for(config))
     assert chosen.linear_fc1.params == {"x": 1} and submodules.linear_fc1.module is linear_class  # a copy
     assert chosen.linear_fc1.module is chosen.linear_fc2  # one subclass per stock class
     assert issubclass(chosen.linear_fc2, linear_class) and chosen.linear_fc2.__name__ == linear_class.__name__
-    assert eb.TEBackend.expert_submodules(config, submodules).linear_fc2 is chosen.linear_fc2
+    assert eb.TEBackend.expert_submodules(config, submodules, plan_for(config)).linear_fc2 is chosen.linear_fc2
     experts = experts_module(linear_class)
     built = type(experts.linear_fc1)
     eb.TEBackend(experts)  # a rebuilt backend
     assert type(experts.linear_fc1) is built
 
     flag_off = experts_module(linear_class, moe_device_tokens_per_expert=False).config
-    assert eb.TEBackend.expert_submodules(flag_off, submodules) is submodules
+    assert eb.TEBackend.expert_submodules(flag_off, submodules, plan_for(flag_off)) is submodules
     other = MLPSubmodules(linear_fc1=torch.nn.Linear, linear_fc2=linear_class)  # not TE's GroupedLinear
-    assert eb.TEBackend.expert_submodules(config, other) is other
+    assert eb.TEBackend.expert_submodules(config, other, plan_for(config)) is other
 
 
 def test_linears_built_without_the_chosen_classes_get_no_device_counts(te_with, caplog):

@@ -12,7 +12,8 @@ it lazily inside ``fused_a2a`` with no way to configure it):
   autograd functions) ask for the fused kernels (``fuse_permute_dispatch`` /
   ``fuse_unpermute_combine``), through a thin wrapper around the buffer.
 
-Each is passed only when the installed deep_ep accepts it (probed on the callable);
+Each is passed only when the installed deep_ep accepts it (probed on the callable, once per
+buffer and manager: later dispatches only check that the buffer is the one prepared);
 otherwise one warning and the stock call. Upstream: NVIDIA/Megatron-LM#4073 (dev),
 #4089 (main).
 """
@@ -122,6 +123,15 @@ def ensure_hybridep_buffer(a2a, config, group, hidden_states, num_local_experts)
 class HybridEPBlocksManager(_HybridEPManager):
     """HybridEP backend whose buffer carries the configured permute/unpermute block counts."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._prepared_buffer = None  # the shared buffer as this manager last prepared it
+
     def dispatch(self, hidden_states, *args, **kwargs):
-        ensure_hybridep_buffer(fused_a2a, self.config, self.group, hidden_states, self.num_local_experts)
+        # The buffer is created at the first dispatch (it needs the tokens' shape) and shared by
+        # every layer: each manager prepares a buffer once, later dispatches only compare.
+        buffer = fused_a2a._hybrid_ep_buffer
+        if buffer is None or buffer is not self._prepared_buffer:
+            ensure_hybridep_buffer(fused_a2a, self.config, self.group, hidden_states, self.num_local_experts)
+            self._prepared_buffer = fused_a2a._hybrid_ep_buffer
         return super().dispatch(hidden_states, *args, **kwargs)

@@ -132,10 +132,11 @@ class ExpertBackend:
     stock = TEGroupedMLP
 
     @classmethod
-    def expert_submodules(cls, config, submodules):
+    def expert_submodules(cls, config, submodules, plan):
         """The experts' ``MLPSubmodules`` this backend builds on: called before megatron-core's
-        TEGroupedMLP builds linear_fc1/linear_fc2 from them. FC1's and FC2's classes gain
-        ``linear_step`` (subclasses of the spec's classes, built by the stock constructor)."""
+        TEGroupedMLP builds linear_fc1/linear_fc2 from them, with the config's plan
+        (``plan.plan_for``). FC1's and FC2's classes gain ``linear_step`` (subclasses of the
+        spec's classes, built by the stock constructor)."""
         if cls.linear_step is None:
             return submodules
         fc1, fc2 = (_with_spec_class(s, _subclass(_spec_class(s), cls.linear_step, _spec_class(s)))
@@ -163,6 +164,11 @@ class ExpertBackend:
         return sharded
 
 
+class TakesDeviceSplits:
+    """Marks the FC classes built with the device-splits step (``_device_splits_step``): the
+    TE backend hands those the counts."""
+
+
 @functools.lru_cache(maxsize=None)
 def _device_splits_step(te_grouped_linear: type) -> type:
     """A class that sits between megatron-core's TEGroupedLinear and TE's GroupedLinear and
@@ -170,7 +176,7 @@ def _device_splits_step(te_grouped_linear: type) -> type:
     megatron-core's wrapper calls ``super().forward(x, m_splits, is_first_microbatch=...)``
     and passes nothing else."""
 
-    class PassesDeviceSplits(te_grouped_linear):
+    class PassesDeviceSplits(te_grouped_linear, TakesDeviceSplits):
         _handed_splits = None  # (host splits, the same counts on the GPU), for one forward
 
         def hand_device_splits(self, host_splits: list, counts_E: torch.Tensor) -> None:
@@ -201,13 +207,6 @@ def _with_device_splits(linear_class: type, te_grouped_linear: type) -> type:
     return _subclass(linear_class, linear_class, _device_splits_step(te_grouped_linear))
 
 
-def _device_splits_te(config) -> Optional[type]:
-    """TE's GroupedLinear when ``config`` asks for device counts and it takes them, else None."""
-    if not patch_option(config, "moe_device_tokens_per_expert") or not cap.te_grouped_linear_device_splits():
-        return None
-    return cap.te_attr("GroupedLinear")
-
-
 def _spec_class(spec):
     return spec.module if isinstance(spec, ModuleSpec) else spec
 
@@ -218,15 +217,17 @@ def _with_spec_class(spec, module_class: type):
 
 class TEBackend(ExpertBackend):
     """megatron-core's TE path: TE GroupedLinear per expert, counts copied to the host once
-    per layer; with device splits (decided at construction) TE also gets them on the GPU."""
+    per layer; with device splits (the plan's ``te_device_splits``) TE also gets them on the GPU."""
 
     name = "te"
 
     @classmethod
-    def expert_submodules(cls, config, submodules):
-        """With device splits: FC1's and FC2's classes gain the step that hands TE the counts
-        (subclasses, built by the stock constructor like any spec class)."""
-        te_grouped_linear = _device_splits_te(config)
+    def expert_submodules(cls, config, submodules, plan):
+        """With device splits (the plan decided): FC1's and FC2's classes gain the step that
+        hands TE the counts (subclasses, built by the stock constructor like any spec class)."""
+        if not plan.te_device_splits:
+            return submodules
+        te_grouped_linear = cap.te_attr("GroupedLinear")
         specs = (submodules.linear_fc1, submodules.linear_fc2)
         if te_grouped_linear is None or not all(
             isinstance(_spec_class(s), type) and issubclass(_spec_class(s), te_grouped_linear) for s in specs
@@ -239,11 +240,8 @@ class TEBackend(ExpertBackend):
         self.passes_device_splits = False
         if not patch_option(experts.config, "moe_device_tokens_per_expert"):
             return
-        te_grouped_linear = _device_splits_te(experts.config)
-        if te_grouped_linear is not None and all(
-            isinstance(linear, _device_splits_step(te_grouped_linear))
-            for linear in (experts.linear_fc1, experts.linear_fc2)
-        ):
+        # FCs built from the spec expert_submodules returned carry the plan's decision
+        if all(isinstance(linear, TakesDeviceSplits) for linear in (experts.linear_fc1, experts.linear_fc2)):
             self.passes_device_splits = True
             te_splits = (
                 "takes m_splits_tensor and gets the counts on the GPU, but still reads the list "

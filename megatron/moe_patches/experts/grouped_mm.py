@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts.backend import BF16, ExpertBackend
 from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
@@ -192,13 +193,15 @@ def grouped_gemm_into_main_grad(groups: RowGroups, targets):
 
 
 def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec,
-                   glu_amax: Optional[ExpertAmax] = None, glu_quantized_rows: bool = False) -> torch.Tensor:
+                   glu_amax: Optional[ExpertAmax] = None, glu_quantized_rows: bool = False,
+                   glu_triton: Optional[bool] = None) -> torch.Tensor:
     """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
     device offsets: the TE experts' math (FC2's bias is scaled by the router prob, as
     megatron-core's TEGroupedMLP applies it). ``fc1``/``fc2`` map [rows, in] rows grouped by
     ``groups`` to ([rows, out], the [E, out] bias or None) (bf16 or FP8 grouped GEMMs);
     ``glu_amax``: where the GLU writes the per-expert amaxes the FP8 GEMMs scale by;
-    ``glu_quantized_rows``: the GLU writes the 1x128 FP8 rows FC2 and FC1's dgrad read."""
+    ``glu_quantized_rows``: the GLU writes the 1x128 FP8 rows FC2 and FC1's dgrad read;
+    ``glu_triton``: whether the GLU may run its Triton kernels (``weighted_glu``'s ``triton``)."""
     h_TF2, b1_EO = fc1(x_TH)
     # Biases are gathered per row in fp32: the add rounds once (as TE's GEMM epilogue does)
     # and each expert's bias gradient sums its rows in fp32 before the one cast back.
@@ -206,7 +209,7 @@ def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec,
         h_TF2 = (h_TF2 + b1_EO.float()[groups.expert_T]).to(h_TF2.dtype)
     # Rows past the last group (F12's bound) stay zero from here on.
     a_TF = weighted_glu(h_TF2, probs_T, glu, rows_used=groups.offsets_E[-1:], amax=glu_amax,
-                        quantized_rows=glu_quantized_rows)
+                        quantized_rows=glu_quantized_rows, triton=glu_triton)
     out_TH, b2_EO = fc2(a_TF.to(x_TH.dtype))
     out_TH = _ContiguousGrad.apply(out_TH)
     if b2_EO is not None:
@@ -258,6 +261,7 @@ class GroupedMMBackend(ExpertBackend):
         if not grouped["weight"]:
             log_once(logger, logging.WARNING, STACKED_WEIGHTS)
         self._glu = glu_spec(config)
+        self._glu_triton = cap.triton_available()  # asked once: the GLU's Triton kernels or megatron-core's
         # F13: under gradient_accumulation_fusion the wgrad GEMM adds into main_grad
         self.main_grad_targets = None
         if experts.wgrad_into_main_grad:
@@ -280,4 +284,4 @@ class GroupedMMBackend(ExpertBackend):
         fc1 = functools.partial(experts.linear_fc1, gemm=gemm)
         fc2 = functools.partial(experts.linear_fc2, gemm=gemm)
         return grouped_mm_mlp(x_TH, groups, probs_T, fc1, fc2, self._glu, self.glu_amax(groups),
-                              self.glu_quantized_rows), None
+                              self.glu_quantized_rows, self._glu_triton), None
