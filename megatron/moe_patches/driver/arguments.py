@@ -16,7 +16,11 @@ this run's), ``check_args``
 TransformerConfig with the patch fields, built as ``training.setup`` builds it). Every
 refusal is one ``pretrain_gpt.py: error: ...`` line on stderr (more lines only where there
 are several problems) naming the flags and the fix, with exit status 2 and no traceback; a
-long value it echoes is shortened (``fields.shown``).
+long value it echoes is shortened (``fields.shown``). ``--help`` and the errors of argparse, the
+recipe reader and the checks of each setting on its own come before megatron-core is imported,
+so they answer without its seconds of imports (a recipe's section key that no flag sets is
+looked up among TransformerConfig's fields, which imports it); ``--attention-backend`` holds the
+member's name (``megatron_lm_flags.AttnBackendName``) until just before ``validate_config``.
 ``transformer_config_kwargs`` maps the args to megatron-core's TransformerConfig
 (patched by ``apply()``, so the MoE patch fields are accepted; on a megatron-core the
 patch set does not install into, its own class, with the kwargs
@@ -37,15 +41,13 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from megatron.core.transformer.enums import AttnBackend
-
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
 
 
-def _add_standard_args(parser: argparse.ArgumentParser) -> None:
+def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers (required).")
     model.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size (model width; required).")
@@ -110,7 +112,10 @@ def _add_standard_args(parser: argparse.ArgumentParser) -> None:
                        help="Dropout probability on the attention probabilities.")
     model.add_argument("--transformer-impl", choices=megatron_lm_flags.TRANSFORMER_IMPLS, default="transformer_engine",
                        help="Transformer layer implementation: Transformer Engine's or megatron-core's own.")
-    model.add_argument("--attention-backend", type=megatron_lm_flags.attention_backend, default=AttnBackend.auto,
+    auto = megatron_lm_flags.AttnBackendName("auto")
+    model.add_argument("--attention-backend",
+                       type=megatron_lm_flags.attention_backend_name if names else megatron_lm_flags.attention_backend,
+                       default=auto if names else auto.value(),
                        help="Attention kernel: flash, fused, unfused, local or auto (Transformer Engine picks).")
     model.add_argument("--cross-entropy-loss-fusion", action="store_true",
                        help="Compute the language-model cross entropy with a fused kernel.")
@@ -411,6 +416,14 @@ PROG = "pretrain_gpt.py"
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The driver's parser; ``prog``: the command the user ran, which the usage, error and
     warning lines name (``megatron-moe-pretrain`` for the console script)."""
+    return _build_parser(prog)
+
+
+def _build_parser(prog: str, names: bool = False) -> argparse.ArgumentParser:
+    """``build_parser``; with ``names``, the parser ``parse_args`` reads the command line and the
+    recipe with: --attention-backend holds an ``AttnBackendName`` (the same flag, default, help
+    and errors) until ``megatron_lm_flags.resolve_names``, so that ``--help`` and the errors
+    argparse and the recipe reader report come before megatron-core is imported."""
     parser = DriverArgumentParser(
         prog=prog,
         description="GPT/MoE pretraining on megatron-core with the MoE patch set applied.",
@@ -419,7 +432,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         formatter_class=DriverHelpFormatter,
         allow_abbrev=False,
     )
-    _add_standard_args(parser)
+    _add_standard_args(parser, names)
     megatron_lm_flags.add_refused_flags(parser)
     return add_moe_patch_args(parser)
 
@@ -510,7 +523,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     ``prog``: the command the user ran, named by the usage, error and warning lines.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(prog)
+    parser = _build_parser(prog, names=True)  # megatron-core: imported by the checks that need it
     first, _ = parser.parse_known_args(argv)
     recipe = Recipe()
     if first.yaml_cfg:
@@ -542,6 +555,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
         apply_megatron_lm_rules(args, warn)
         check_load(args, warn)
         check_args(args, world_size=world_size)
+        megatron_lm_flags.resolve_names(args)  # --attention-backend: megatron-core's AttnBackend member
         validate_config(args)
     except ValueError as err:
         parser.error(str(err))
@@ -1308,7 +1322,7 @@ _CONFIG_FIELD_DESTS = {
 
 @functools.lru_cache(maxsize=None)
 def _dest_flags() -> Dict[str, str]:
-    return {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+    return {a.dest: a.option_strings[0] for a in _build_parser(PROG, names=True)._actions if a.option_strings}
 
 
 def flags_named_in(text: str) -> List[str]:

@@ -26,8 +26,6 @@ import os
 import signal
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-from megatron.core.transformer.enums import AttnBackend
-
 
 class _Marker:
     def __init__(self, meaning: str):
@@ -57,14 +55,54 @@ class FromEnv:
             return self.fallback
 
 
-def attention_backend(name: str) -> AttnBackend:
+# megatron-core's AttnBackend members (megatron.core.transformer.enums), by name in its order:
+# written out so that the parser, --help and the argument errors need no megatron-core, whose
+# import takes seconds (tests/unit/test_fast_commands.py compares them with the enum).
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnBackendName:
+    """An AttnBackend member by name, megatron-core not imported yet: ``value()`` imports it and
+    gives the member. Printed as the member prints (``--help`` shows the default so)."""
+
+    member: str
+
+    def value(self):
+        from megatron.core.transformer.enums import AttnBackend
+
+        return AttnBackend[self.member]
+
+    def __str__(self) -> str:
+        return f"AttnBackend.{self.member}"
+
+
+def _backend_name(name: str) -> str:
+    if name not in ATTENTION_BACKENDS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
+    return name
+
+
+def attention_backend(name: str):
     """``--attention-backend`` values: megatron-core's AttnBackend members by name."""
-    try:
-        return AttnBackend[name]
-    except KeyError:
-        raise argparse.ArgumentTypeError(
-            f"invalid choice: {name!r} (choose from {', '.join(b.name for b in AttnBackend)})"
-        ) from None
+    return AttnBackendName(_backend_name(name)).value()
+
+
+def attention_backend_name(name: str) -> AttnBackendName:
+    """``--attention-backend`` values as ``arguments.parse_args`` reads the command line and the
+    recipe: the name, checked; ``resolve_names`` makes it the member once argparse has done."""
+    return AttnBackendName(_backend_name(name))
+
+
+# The same type to a recipe's error ("cannot read 'x' as attention_backend").
+attention_backend_name.__name__ = attention_backend.__name__
+
+
+def resolve_names(args: argparse.Namespace) -> None:
+    """Turn the ``AttnBackendName`` values ``args`` holds into megatron-core's members (imports it)."""
+    for dest, value in list(vars(args).items()):
+        if isinstance(value, AttnBackendName):
+            setattr(args, dest, value.value())
 
 
 def signal_by_name(name: str) -> signal.Signals:
@@ -87,7 +125,7 @@ def number_or_text(text: str) -> Union[int, str]:
 class MegatronLMFlag:
     names: Tuple[str, ...]  # option strings; messages use the first
     dest: str
-    default: Any  # Megatron-LM 0.16.1's (a FromEnv where it reads the environment)
+    default: Any  # Megatron-LM 0.16.1's (a FromEnv where it reads the environment; an AttnBackendName)
     action: str  # argparse action: store, store_true, store_false or boolean_optional
     type: Optional[Callable] = None
     nargs: Optional[Union[int, str]] = None
@@ -101,7 +139,7 @@ class MegatronLMFlag:
 
     @property
     def megatron_lm_default(self) -> Any:
-        return self.default.value() if isinstance(self.default, FromEnv) else self.default
+        return self.default.value() if isinstance(self.default, (FromEnv, AttnBackendName)) else self.default
 
     @property
     def accepted(self) -> Any:
@@ -334,7 +372,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     on("--account-for-loss-in-pipeline-split", refused=VIRTUAL_PIPELINE),
     opt("--hidden-size", int, None),
     opt("--num-attention-heads", int, None),
-    opt("--attention-backend", attention_backend, AttnBackend.auto),
+    opt("--attention-backend", attention_backend, AttnBackendName("auto")),
     opt("--softmax-type", str, "vanilla", refused=ATTENTION_VARIANT),
     opt("--num-query-groups", int, 1),
     opt("--ffn-hidden-size", int, None),
