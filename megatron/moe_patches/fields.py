@@ -106,6 +106,28 @@ PATCH_FIELDS = tuple(dataclasses.fields(MoEPatchFields))
 PATCH_FIELD_NAMES = tuple(f.name for f in PATCH_FIELDS)
 
 
+# --use-checkpoint-args, both loops (the driver's resume and Megatron-LM's through
+# megatron_lm.enable()): switches are forced, since a switch left off on the command line is
+# False, never None, and "only where unset" would never take a True saved in the checkpoint.
+FORCED_ON_RESTORE = frozenset(f.name for f in PATCH_FIELDS if isinstance(f.default, bool))
+
+
+def restore_patch_args(args, checkpoint_args) -> list:
+    """Set the patch args in ``args`` from a checkpoint's saved args (Megatron-LM's rule for
+    the args it restores); returns the names set. A forced arg (``FORCED_ON_RESTORE``) takes
+    the saved value, any other only where ``args`` has None; an arg the checkpoint does not
+    hold, or holds as None (saved before the patch set had it), changes nothing."""
+    restored = []
+    for name in PATCH_FIELD_NAMES:
+        saved = getattr(checkpoint_args, name, None)
+        if saved is None:
+            continue
+        if name in FORCED_ON_RESTORE or getattr(args, name, None) is None:
+            setattr(args, name, saved)
+            restored.append(name)
+    return restored
+
+
 def patch_option(config, name: str):
     """A patch field's value, or its default for a config built from a stock class."""
     if name not in PATCH_FIELD_NAMES:

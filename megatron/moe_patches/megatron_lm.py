@@ -47,7 +47,7 @@ from types import ModuleType
 import sys
 from typing import Callable, Dict, List, Set, Tuple
 
-from megatron.moe_patches.fields import PATCH_FIELDS
+from megatron.moe_patches.fields import restore_patch_args
 from megatron.moe_patches.installer import apply, revert, status
 from megatron.moe_patches.registry import MEGATRON_LM_WRAPS
 
@@ -125,26 +125,6 @@ def _skip_dataset_helpers_build() -> None:
         return  # nothing prebuilt: Megatron-LM's own build runs and says what fails
     _helpers_build = (utils, utils.compile_helpers)
     utils.compile_helpers = lambda: None
-
-
-def restore_patch_args(args: argparse.Namespace, checkpoint_args: argparse.Namespace) -> List[str]:
-    """Set the patch args in ``args`` from a checkpoint's saved args; returns the names set.
-
-    Megatron-LM's rule for the args it restores: a forced arg takes the checkpoint's value,
-    any other only where ``args`` has None; a checkpoint without the arg (saved before the
-    patch set) changes nothing. Switches are forced: a store_true flag is False, never None,
-    when not given, so "only where None" would never take a True saved in the checkpoint.
-    """
-    restored = []
-    for field in PATCH_FIELDS:
-        saved = getattr(checkpoint_args, field.name, None)
-        if saved is None:
-            continue
-        forced = isinstance(field.default, bool)
-        if forced or getattr(args, field.name, None) is None:
-            setattr(args, field.name, saved)
-            restored.append(field.name)
-    return restored
 
 
 def _applied_ids() -> Set[str]:

@@ -74,6 +74,18 @@ def test_existing_flag_with_other_dest_is_a_conflict():
         add_moe_patch_args(parser)
 
 
+def test_the_driver_and_megatron_lm_restore_by_one_rule():
+    """One restore function for both loops, forcing exactly the driver's store_true flags."""
+    from megatron.moe_patches import megatron_lm
+    from megatron.moe_patches.driver.arguments import build_parser
+    from megatron.moe_patches.fields import FORCED_ON_RESTORE, restore_patch_args
+
+    assert restore_args_from_checkpoint is restore_patch_args is megatron_lm.restore_patch_args
+    switches = {action.dest for action in build_parser()._actions
+                if isinstance(action, argparse._StoreTrueAction) and action.dest in PATCH_FIELD_NAMES}
+    assert FORCED_ON_RESTORE == switches
+
+
 def test_restore_list_forces_bools_only():
     forced = {name for name, force in CHECKPOINT_RESTORED_ARGS if force}
     assert {name for name, _ in CHECKPOINT_RESTORED_ARGS} == set(PATCH_FIELD_NAMES)

@@ -10,9 +10,9 @@ drifting apart. ``add_moe_patch_args`` works as a Megatron-LM
 import argparse
 import logging
 import typing
-from typing import Dict, List, Literal, NamedTuple, Optional, get_args, get_origin
+from typing import Dict, List, Literal, NamedTuple, get_args, get_origin
 
-from megatron.moe_patches.fields import PATCH_FIELDS, MoEPatchFields, flag_name
+from megatron.moe_patches.fields import FORCED_ON_RESTORE, PATCH_FIELDS, MoEPatchFields, flag_name, restore_patch_args
 
 logger = logging.getLogger(__name__)
 
@@ -79,30 +79,9 @@ class RestoredArg(NamedTuple):
     force: bool  # overwrite the current value even when it is not None
 
 
-# Which args a resumed run takes from the checkpoint's saved args. Bools are forced: a
-# store_true flag is False (never None) when absent, so "restore only if unset" would
-# silently drop a True saved in the checkpoint.
+# Which args a resumed run takes from the checkpoint's saved args, by the one rule both loops
+# follow (``fields.restore_patch_args``).
 CHECKPOINT_RESTORED_ARGS: List[RestoredArg] = [
-    RestoredArg(field.name, force=kwargs.get("action") == "store_true")
-    for field, _, kwargs in _flag_specs()
+    RestoredArg(field.name, force=field.name in FORCED_ON_RESTORE) for field in PATCH_FIELDS
 ]
-
-
-def restore_args_from_checkpoint(
-    args: argparse.Namespace, checkpoint_args: argparse.Namespace
-) -> List[str]:
-    """Copy the patch args from a checkpoint's saved args into ``args``.
-
-    An arg is taken when the current value is None or the arg is forced, and only
-    when the checkpoint has a non-None value for it (old checkpoints lack the new
-    args; they keep the current value). Returns the names that were set.
-    """
-    restored = []
-    for name, force in CHECKPOINT_RESTORED_ARGS:
-        saved: Optional[object] = getattr(checkpoint_args, name, None)
-        if saved is None:
-            continue
-        if force or getattr(args, name, None) is None:
-            setattr(args, name, saved)
-            restored.append(name)
-    return restored
+restore_args_from_checkpoint = restore_patch_args
