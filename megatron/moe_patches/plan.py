@@ -6,8 +6,9 @@ tokens for quantized experts and to what alignment (F1/F3), the expert-parallel 
 and the dispatcher's options (F8, F12), whether single grouped parameters can be held (F5),
 whether the MoE layer can be captured as a CUDA graph (F11) and whether the TE backend hands
 TE's GroupedLinear the device token counts (F8). Config validation, the experts' and the
-dispatchers' construction and the graph capture read it; nothing else decides. Each refusal keeps its reason, and what falls back from what the config asked for
-is logged once (``MoEPlan.log_choices``, called where the layer is built).
+dispatchers' construction and the graph capture read it; nothing else decides. Each refusal
+keeps its reason, and what falls back from what the config asked for is logged once
+(``MoEPlan.log_choices``, called where the layer is built).
 
 Backends declare what they support as class attributes (``experts/backend.py``,
 ``ExpertBackend``); ``backend_blocker`` combines those declarations with the config, so a
@@ -255,7 +256,7 @@ EP1_NOTHING_TO_EXCHANGE = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # eight fields: each named where it is built
 class ExchangeChoice:
     name: str  # ALLTOALL (NCCL's all-to-all) | SYMMETRIC_MEMORY | ALLGATHER | FLEX
     reason: Optional[str]  # why not SYMMETRIC_MEMORY where moe_symmetric_exchange asks for it
@@ -341,8 +342,16 @@ def _exchange(config, backend, padding: PaddingPlan, notes) -> ExchangeChoice:
     # One source rank, no TP: sorting chunks by local expert keeps them in place; the
     # symmetric exchange lands rows sorted by local expert already.
     skips_chunk_sort = dispatcher == ALLTOALL and ((device_tokens and one_rank) or name == SYMMETRIC_MEMORY)
-    return ExchangeChoice(name, reason, bool(device_counts), skips_chunk_sort, pad_align, padding.static_rows,
-                          tuple(exchange_config_errors(config)), padding.quantized_rows)
+    return ExchangeChoice(
+        name=name,
+        reason=reason,
+        device_counts=bool(device_counts),
+        skips_chunk_sort=skips_chunk_sort,
+        pad_align=pad_align,
+        static_pad_rows=padding.static_rows,
+        contradictions=tuple(exchange_config_errors(config)),
+        quantized_rows=padding.quantized_rows,
+    )
 
 
 # --- CUDA graphs of the MoE layer (F11) ------------------------------------------------------

@@ -26,7 +26,8 @@ from megatron.moe_patches.plan import ALLGATHER, ALLTOALL, SYMMETRIC_MEMORY, Exc
 
 
 def a_choice(name=ALLTOALL, device_counts=False, skips_chunk_sort=False, pad_align=None, static_pad_rows=False):
-    return ExchangeChoice(name, None, device_counts, skips_chunk_sort, pad_align, static_pad_rows, ())
+    return ExchangeChoice(name=name, reason=None, device_counts=device_counts, skips_chunk_sort=skips_chunk_sort,
+                          pad_align=pad_align, static_pad_rows=static_pad_rows, contradictions=())
 
 
 def given_choice(monkeypatch, name=ALLTOALL, **options):

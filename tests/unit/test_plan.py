@@ -42,6 +42,19 @@ def counted(monkeypatch):
     return made
 
 
+def exchange(name, **fields):
+    """The plan's exchange choice with ``fields`` set; the rest as for a plain exchange."""
+    plain = dict(reason=None, device_counts=False, skips_chunk_sort=False, pad_align=None, static_pad_rows=False,
+                 contradictions=())
+    return moe_plan.ExchangeChoice(name=name, **{**plain, **fields})
+
+
+def test_an_exchange_choice_is_built_from_named_fields_only():
+    with pytest.raises(TypeError):
+        moe_plan.ExchangeChoice(moe_plan.ALLTOALL, None, False, False, None, False, ())
+    assert exchange(moe_plan.ALLTOALL).quantized_rows is False
+
+
 def built(**fields):
     """A config whose every field is set at construction (the moe_config fixture sets some late)."""
     from megatron.moe_patches.config import PatchedTransformerConfig
@@ -128,8 +141,8 @@ def test_the_granted_sync_free_path(moe_config, hopper_node):
     assert plan.backend_refusals == (("op_fuser", "use_transformer_engine_op_fuser is off"),
                                      ("fp8_grouped_mm", "it computes FP8 only (bf16 runs the grouped_mm backend)"))
     assert plan.padding == PaddingPlan(None, NOBODY)
-    assert plan.exchange == moe_plan.ExchangeChoice(moe_plan.ALLTOALL, "expert parallelism is 1 (nothing to exchange)",
-                                                    True, True, None, False, ())
+    assert plan.exchange == exchange(moe_plan.ALLTOALL, reason="expert parallelism is 1 (nothing to exchange)",
+                                     device_counts=True, skips_chunk_sort=True)
     assert plan.single_grouped_refusal is None and plan.graph_blocker is None
     assert plan.notes == ((logging.WARNING, moe_plan.EP1_NOTHING_TO_EXCHANGE),)
 
@@ -149,12 +162,11 @@ def test_single_grouped_params_refused_by_the_plan_name_every_backend(moe_config
 
 def test_the_dispatchers_options_per_exchange(moe_config):
     allgather = moe_config(**GLU, moe_device_tokens_per_expert=True, moe_token_dispatcher_type="allgather")
-    assert moe_plan.plan_for(allgather).exchange == moe_plan.ExchangeChoice(moe_plan.ALLGATHER, None, True, False,
-                                                                           None, False, ())
+    assert moe_plan.plan_for(allgather).exchange == exchange(moe_plan.ALLGATHER, device_counts=True)
     flex = moe_config(**GLU, moe_token_dispatcher_type="flex")
-    assert moe_plan.plan_for(flex).exchange == moe_plan.ExchangeChoice(moe_plan.FLEX, None, False, False, None, False, ())
+    assert moe_plan.plan_for(flex).exchange == exchange(moe_plan.FLEX)
     nccl = moe_config(**GLU, moe_device_tokens_per_expert=True, expert_model_parallel_size=2)
-    assert moe_plan.plan_for(nccl).exchange == moe_plan.ExchangeChoice(moe_plan.ALLTOALL, None, True, False, None, False, ())
+    assert moe_plan.plan_for(nccl).exchange == exchange(moe_plan.ALLTOALL, device_counts=True)
 
 
 def test_plan_checks_the_process_groups_against_the_config(moe_config):
