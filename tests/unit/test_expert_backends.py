@@ -7,6 +7,7 @@ import torch
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.moe_patches.experts import grouped_mm as f8
 from megatron.moe_patches.experts import backend as eb
+from megatron.moe_patches.experts.fp8_grouped_mm import FP8GroupedMMBackend
 from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
 from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, NcclAllToAllDeviceCounts
@@ -398,6 +399,17 @@ def test_grouped_mm_backend_calls_the_fcs_so_their_forward_pre_hooks_run_before_
     w1, w2 = (f8.grouped_param(fc).detach() for fc in fcs)
     assert torch.equal(w1.reshape(-1), torch.cat([t.reshape(-1) for t in landed[owner.linear_fc1]]))
     torch.testing.assert_close(out, bf16_mlp(x, counts, probs, w1, w2, config), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend_class, name", [(f8.GroupedMMBackend, "ShellGroupedLinearForGroupedMM"),
+                                                 (FP8GroupedMMBackend, "ShellGroupedLinearForFP8GroupedMM")])
+def test_fc_classes_a_backend_builds_have_names_of_their_own(backend_class, name):
+    """Not the spec class's name: logs, module reprs and tracebacks say which class runs."""
+    owner = shells.experts_shell(backend_class, cfg(), 3, (4, 2), (4, 2))
+    fc_class = type(owner.linear_fc1)
+    assert fc_class is type(owner.linear_fc2) and issubclass(fc_class, shells.ShellGroupedLinear)
+    assert fc_class.__name__ == fc_class.__qualname__ == name and fc_class.__module__ == eb.__name__
+    assert repr(owner.linear_fc1).startswith(f"{name}(")
 
 
 def test_grouped_mm_backend_refuses_fcs_built_without_its_spec():

@@ -257,7 +257,10 @@ def test_the_spec_chooses_the_classes_and_live_modules_keep_theirs(te_with):
     chosen = eb.TEBackend.expert_submodules(config, submodules, plan_for(config))
     assert chosen.linear_fc1.params == {"x": 1} and submodules.linear_fc1.module is linear_class  # a copy
     assert chosen.linear_fc1.module is chosen.linear_fc2  # one subclass per stock class
-    assert issubclass(chosen.linear_fc2, linear_class) and chosen.linear_fc2.__name__ == linear_class.__name__
+    assert issubclass(chosen.linear_fc2, linear_class)
+    # a name of its own: logs and tracebacks tell it from megatron-core's class
+    assert chosen.linear_fc2.__name__ == chosen.linear_fc2.__qualname__ == "TEGroupedLinearWithDeviceSplits"
+    assert chosen.linear_fc2.__module__ == eb.__name__
     assert eb.TEBackend.expert_submodules(config, submodules, plan_for(config)).linear_fc2 is chosen.linear_fc2
     experts = experts_module(linear_class)
     built = type(experts.linear_fc1)

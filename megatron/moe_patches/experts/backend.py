@@ -139,7 +139,9 @@ class ExpertBackend:
         spec's classes, built by the stock constructor)."""
         if cls.linear_step is None:
             return submodules
-        fc1, fc2 = (_with_spec_class(s, _subclass(_spec_class(s), cls.linear_step, _spec_class(s)))
+        label = cls.__name__.removesuffix("Backend")
+        fc1, fc2 = (_with_spec_class(s, _subclass(f"{_spec_class(s).__name__}For{label}", cls.linear_step,
+                                                  _spec_class(s)))
                     for s in (submodules.linear_fc1, submodules.linear_fc2))
         return dataclasses.replace(submodules, linear_fc1=fc1, linear_fc2=fc2)
 
@@ -195,16 +197,16 @@ def _device_splits_step(te_grouped_linear: type) -> type:
 
 
 @functools.lru_cache(maxsize=None)
-def _subclass(spec_class: type, *bases: type) -> type:
-    """A class over ``bases`` (in MRO order), named and placed as ``spec_class``, the spec's
-    class it extends."""
-    return type(spec_class.__name__, bases, {"__module__": spec_class.__module__})
+def _subclass(name: str, *bases: type) -> type:
+    """A class over ``bases`` (in MRO order) called ``name``, made here: a name of its own, so
+    that logs and tracebacks tell it from the spec's class it extends."""
+    return type(name, bases, {"__module__": __name__, "__qualname__": name})
 
 
 def _with_device_splits(linear_class: type, te_grouped_linear: type) -> type:
     # MRO: linear_class, its megatron-core bases, step, TE's GroupedLinear: megatron-core's
     # forward runs unchanged and its super().forward reaches the step.
-    return _subclass(linear_class, linear_class, _device_splits_step(te_grouped_linear))
+    return _subclass(f"{linear_class.__name__}WithDeviceSplits", linear_class, _device_splits_step(te_grouped_linear))
 
 
 def _spec_class(spec):
