@@ -653,7 +653,21 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
         if saved is not None:  # a checkpoint saved without args has no shape to compare
             _check_saved_types(saved, MODEL_SHAPE, path, "point --load at another checkpoint")
             _check_model_shape(args, saved, path)
+    if not getattr(args, "no_load_optim", False):
+        _check_optimizer_layout(args, path)
     return path
+
+
+def _check_optimizer_layout(args: argparse.Namespace, path: str) -> None:
+    """The refusal the optimizer's load would raise after start-up (flat distributed-optimizer
+    states saved in another expert parameter layout), said before it."""
+    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_FIELDS, bucket_layout_refusal
+
+    current = {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()}
+    for sharding_type, saved in checkpointing.optimizer_layouts_saved_at(path):
+        refusal = bucket_layout_refusal(sharding_type, saved, current)
+        if refusal is not None:
+            raise ValueError(f"--load {path}: {refusal}")
 
 
 def _ffn_default(values: dict) -> Optional[int]:

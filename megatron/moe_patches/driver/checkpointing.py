@@ -589,6 +589,28 @@ def saved_args(root: str) -> dict:
     return saved
 
 
+def optimizer_layouts_saved_at(path: str) -> list:
+    """(sharding type, recorded expert parameter layout or None) of each distributed optimizer
+    whose states the checkpoint at ``path`` holds, from its common state (CPU, no process
+    group: usable before start-up); a chained optimizer (EP > 1: dense and expert) gives one
+    pair per optimizer."""
+    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_KEY
+
+    found = []
+
+    def visit(node, depth):
+        if not isinstance(node, dict) or depth > 4:  # a chain nests optimizers by index, shallowly
+            return
+        if "param_state_sharding_type" in node:
+            found.append((node["param_state_sharding_type"], node.get(LAYOUT_KEY)))
+            return
+        for value in node.values():
+            visit(value, depth + 1)
+
+    visit(read_common_state(path).get("optimizer"), 0)
+    return found
+
+
 def args_saved_at(path: str) -> Optional[dict]:
     """The args dict saved with the checkpoint at ``path`` (an iteration directory), as
     ``saved_args`` returns it; None where its common state holds none."""
