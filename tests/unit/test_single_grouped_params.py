@@ -70,3 +70,20 @@ def test_weight_grouped_bias_indexed_loads_either_layout():
     module.load_state_dict(grouped_ckpt)  # grouped checkpoint: biases split back
     assert torch.equal(module.bias0, source.bias0 + 1)
     assert set(module.state_dict()) == set(source.state_dict())  # stock keys either way
+
+
+def test_the_key_converting_class_has_a_name_of_its_own():
+    """F6's subclass of a TE grouped linear says what it is in reprs and tracebacks, and loads
+    through the key conversion hook."""
+    from megatron.moe_patches.checkpoint import grouped_keys
+
+    class GroupedLinearStandIn(torch.nn.Module):
+        pass
+
+    converting = grouped_keys.with_key_conversion(None, GroupedLinearStandIn)
+    assert converting.__name__ == converting.__qualname__ == "GroupedLinearStandInWithKeyConversion"
+    assert converting.__module__ == grouped_keys.__name__ and issubclass(converting, GroupedLinearStandIn)
+    module = converting()
+    assert repr(module).startswith("GroupedLinearStandInWithKeyConversion(")
+    assert len(module._load_state_dict_pre_hooks) == 1
+    assert grouped_keys.with_key_conversion(None, None) is None  # no TE: nothing to convert

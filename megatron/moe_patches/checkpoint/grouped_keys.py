@@ -99,5 +99,6 @@ def with_key_conversion(owner, cls):
         cls.__init__(self, *args, **kwargs)
         self._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__,
-                                       "__doc__": f"{cls.__name__} that loads grouped or indexed expert keys (F6)."})
+    name = f"{cls.__name__}WithKeyConversion"  # its own name in module reprs, logs and tracebacks
+    return type(name, (cls,), {"__init__": __init__, "__module__": __name__, "__qualname__": name,
+                               "__doc__": f"{cls.__name__} that loads grouped or indexed expert keys (F6)."})
