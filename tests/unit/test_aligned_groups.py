@@ -12,6 +12,7 @@ import torch
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import fields
 from megatron.moe_patches import plan as moe_plan
+from megatron.moe_patches.plan import padding as plan_padding
 from megatron.moe_patches.dispatch import permute_pad
 from megatron.moe_patches.dispatch.permute_pad import StaticPaddedPermute, static_padded_layout, static_padded_rows
 from megatron.moe_patches.experts import fp8_blockwise
@@ -96,7 +97,7 @@ def test_where_the_dispatcher_cannot_pad_statically_the_triton_kernels_run_and_s
     config = blockwise_config(**overrides)
     reason = moe_plan.static_padding_blocker(config)
     assert reason is not None and why in reason
-    padding = moe_plan._padding(config, fp8.FP8GroupedMMBackend, notes := [])
+    padding = plan_padding.choose_padding(config, fp8.FP8GroupedMMBackend, notes := [])
     assert padding == PaddingPlan(None, NOBODY)
     assert len(notes) == 1 and "keep their other kernels, not DeepGEMM's" in notes[0][1] and why in notes[0][1]
 

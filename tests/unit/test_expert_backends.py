@@ -9,6 +9,7 @@ from megatron.moe_patches.experts import grouped_mm as f8
 from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches.experts.fp8_grouped_mm import FP8GroupedMMBackend
 from megatron.moe_patches import plan as moe_plan
+from megatron.moe_patches.plan import backends as plan_backends
 from megatron.moe_patches.dispatch.dispatchers import PatchedAlltoAllTokenDispatcher
 from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, NcclAllToAllDeviceCounts
 from megatron.moe_patches.kernels.weighted_glu import glu_spec
@@ -208,7 +209,7 @@ def test_a_dropped_layer_is_freed_without_the_garbage_collector():
     try:
         config = cfg()
         config.fp8_recipe = "tensorwise"  # a recipe the FP8 backend implements; the others ignore it
-        for backend_class in (*moe_plan.BACKENDS, moe_plan.FALLBACK):
+        for backend_class in (*plan_backends.BACKENDS, moe_plan.FALLBACK):
             owner = experts_shell(config, backend_class)
             owner.backend = backend_class(owner)
             alive = weakref.ref(owner)

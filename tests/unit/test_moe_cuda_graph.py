@@ -12,6 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.dispatch import dispatchers, permute_pad
 from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches.plan import exchange as plan_exchange
 from megatron.moe_patches.plan import scope_names
 
 BASE = dict(
@@ -86,12 +87,12 @@ def test_refused_by_name(overrides, reason):
 def test_ep2_graphs_need_the_symmetric_exchange_and_its_runtime(monkeypatch):
     without = config(cuda_graph_impl="none", expert_model_parallel_size=2)
     assert "add --moe-symmetric-exchange" in graph_blocker(without)
-    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker",
+    monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker",
                         lambda c, backend, padding: "no CUDA device" if c.expert_model_parallel_size == 2 else "?")
     exchange = dict(cuda_graph_impl="none", expert_model_parallel_size=2, moe_symmetric_exchange=True)
     assert graph_blocker(config(**exchange)) == ("--expert-model-parallel-size 2: the symmetric exchange cannot "
                                                  "run here (no CUDA device)")
-    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: None)
+    monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker", lambda c, backend, padding: None)
     assert graph_blocker(config(**exchange)) is None
     graphed = config(expert_model_parallel_size=2, moe_symmetric_exchange=True)
     assert graphed.cuda_graph_scope == [CudaGraphScope.moe]
@@ -327,9 +328,7 @@ GRAPHABLE_NEIGHBOURS = [
 def test_the_exchange_needs_no_fused_permute_for_graphs(graphable, monkeypatch):
     """F12 sends tokens unpermuted, so at EP 2 through it the unfused permute is no reason to
     refuse the graphs; over NCCL it still is."""
-    from megatron.moe_patches import plan as moe_plan
-
-    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: None)  # a GPU node
+    monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker", lambda c, backend, padding: None)  # a GPU node
     exchange = dict(expert_model_parallel_size=2, moe_symmetric_exchange=True, moe_permute_fusion=False)
     assert graph_blocker(graphable(**exchange)) is None
     assert "--moe-permute-fusion" in graph_blocker(graphable(moe_permute_fusion=False))
@@ -346,11 +345,11 @@ def test_ep2_rows_of_the_graph_table_ask_the_exchange_with_the_ep_size(graphable
     def answer(reason):
         return lambda c, backend, padding: asked.append(c.expert_model_parallel_size) or reason
 
-    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", answer("Triton is not installed"))
+    monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker", answer("Triton is not installed"))
     ep4 = dict(expert_model_parallel_size=4, moe_symmetric_exchange=True)
     assert graph_blocker(graphable(**ep4)) == ("--expert-model-parallel-size 4: the symmetric exchange cannot run "
                                                "here (Triton is not installed)")
-    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", answer(None))
+    monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker", answer(None))
     assert graph_blocker(graphable(**ep4)) is None
     # EP 2 with a runnable exchange still meets the rest of the table
     assert "tensor parallelism > 1" in graph_blocker(graphable(expert_model_parallel_size=2, moe_symmetric_exchange=True,

@@ -3,6 +3,7 @@ import torch
 
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import plan as moe_plan
+from megatron.moe_patches.plan import backends as plan_backends
 from megatron.moe_patches.experts.op_fuser import FUSED_KERNEL_ALIGNMENT, OpFuserBackend
 from megatron.moe_patches.experts.padding import EXPERTS, HYBRIDEP, NOBODY, PERMUTE, ROUTER
 
@@ -113,7 +114,7 @@ def test_an_alignment_of_one_means_nobody_pads(moe_config, monkeypatch):
     whatever the recipe's own GEMM alignment."""
     monkeypatch.setattr(cap, "te_fused_permute_pad", lambda: True)
     monkeypatch.setattr(moe_plan.FALLBACK, "alignment", 1)  # the TE backend
-    monkeypatch.setattr(moe_plan, "BACKENDS", ())
+    monkeypatch.setattr(plan_backends, "BACKENDS", ())
     config = moe_config(fp8="e4m3")
     assert quantization_alignment(config) is None
     assert padding_plan(config).padded_by == NOBODY and not skip_routed_expert_padding(config)

@@ -13,6 +13,7 @@ import torch
 from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.dispatch.symmetric_exchange import OwnerRows, TokenRoutes, owner_rows_bound
 from megatron.moe_patches.plan import exchange_config_errors
+from megatron.moe_patches.plan import exchange as plan_exchange
 
 
 def _random_routing(ep, local, tokens, topk, seed, allowed=None):
@@ -461,7 +462,7 @@ def test_the_dispatcher_gets_the_exchange_only_where_it_can_run(hopper_node, mon
         assert isinstance(exchange, sx.SymmetricExchange) and exchange.group == "ep-group" and exchange.topk == 8
         off = _exchange_config(moe_symmetric_exchange=False)
         assert not hasattr(dispatchers.PatchedAlltoAllTokenDispatcher(config=off).exchange, "symmetric")
-        monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: "Triton is not installed")
+        monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker", lambda c, backend, padding: "Triton is not installed")
         assert not hasattr(dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config()).exchange, "symmetric")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["moe_symmetric_exchange: the expert-parallel exchange stays NCCL's all-to-all because "
@@ -488,7 +489,7 @@ def test_the_flag_at_ep1_is_said_to_exchange_nothing_and_its_rules_still_hold(mo
     from megatron.moe_patches.config import PatchedTransformerConfig
 
     monkeypatch.setattr(fields, "_said", set())
-    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker",
+    monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker",
                         lambda c, backend, padding: pytest.fail("EP 1 asks no runtime question"))
     config = PatchedTransformerConfig(**_config())
     assert config.expert_model_parallel_size == 1
@@ -520,7 +521,7 @@ def test_the_dispatcher_skips_permute_and_chunk_sort_behind_the_exchange(hopper_
     dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
     assert dispatcher.exchange.symmetric is exchange and asked == [("ep-group", 8)]
     assert dispatcher.exchange.lands_grouped_by_local_expert and isinstance(dispatcher.permute_step, TokenRows)
-    monkeypatch.setattr(moe_plan, "symmetric_exchange_blocker", lambda c, backend, padding: "no CUDA device")
+    monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker", lambda c, backend, padding: "no CUDA device")
     nccl = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
     assert not nccl.exchange.lands_grouped_by_local_expert and isinstance(nccl.permute_step, PlainPermute)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron.moe_patches import plan as moe_plan
+from megatron.moe_patches.plan import backends as plan_backends
 from megatron.moe_patches.config import PatchedTransformerConfig
 from expert_shells import experts_shell
 from toy_backend import LoopBackend
@@ -20,7 +21,7 @@ BASE = dict(
 
 @pytest.fixture
 def registered(monkeypatch):
-    monkeypatch.setattr(moe_plan, "BACKENDS", moe_plan.BACKENDS)  # restored after the test
+    monkeypatch.setattr(plan_backends, "BACKENDS", plan_backends.BACKENDS)  # restored after the test
     return moe_plan.register_backend(LoopBackend)
 
 
@@ -43,7 +44,7 @@ def test_registering_the_toy_makes_the_plan_pick_it(registered):
 def test_a_plan_made_before_the_registration_is_made_again(monkeypatch):
     c = config()
     assert moe_plan.plan_for(c).backend is moe_plan.FALLBACK
-    monkeypatch.setattr(moe_plan, "BACKENDS", moe_plan.BACKENDS)
+    monkeypatch.setattr(plan_backends, "BACKENDS", plan_backends.BACKENDS)
     moe_plan.register_backend(LoopBackend)
     assert moe_plan.plan_for(c).backend is LoopBackend
 

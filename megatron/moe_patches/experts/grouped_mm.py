@@ -7,7 +7,7 @@ With ``moe_device_tokens_per_expert`` (or ``NVTE_USE_GROUPED_GEMM_TRITON=1``):
   host sync that existed only for that copy: with EP = 1 the dispatcher never waits for
   the GPU; with EP > 1 it keeps the one sync the all-to-all's split sizes need
   (``before_ep_alltoall``);
-- the experts run this module's ``GroupedMMBackend`` where the plan lets it (``plan.py``): FC1
+- the experts run this module's ``GroupedMMBackend`` where the plan lets it (``plan/backends.py``): FC1
   and FC2 as one ``torch._grouped_mm`` each over all local experts, with device offsets
   (no host sync), and megatron-core's fused router-prob-weighted SwiGLU / quick-GEGLU
   between them; expert biases as the TE experts apply them (FC2's scaled by the router
