@@ -111,7 +111,7 @@ class TokenRoutes:
         self.tokens, self.ep, self.topk, self.local = tokens, ep, topk, experts // ep
         device = routing_TE.device
         self.routing_TE = routing_TE
-        picks_TP = routing_TE.view(tokens, ep, self.local).any(dim=2)
+        picks_TP = routing_TE.reshape(tokens, ep, self.local).any(dim=2)
         token_T = torch.arange(tokens, device=device)
         self.to_owners_X1 = torch.where(picks_TP.t(), token_T, -1).reshape(ep * tokens, 1).contiguous()
         slot_TP = torch.arange(ep, device=device) * tokens + token_T.view(-1, 1)
@@ -123,7 +123,7 @@ class TokenRoutes:
         """[ep x tokens, 2L] fp32, row ``p * tokens + t``: token t's probs for rank p's experts,
         then its picks (1.0 / 0.0)."""
         shape = (self.tokens, self.ep, self.local)
-        meta_TP2L = torch.cat([probs_TE.float().view(shape), self.routing_TE.view(shape).float()], dim=2)
+        meta_TP2L = torch.cat([probs_TE.float().reshape(shape), self.routing_TE.reshape(shape).float()], dim=2)
         return meta_TP2L.transpose(0, 1).reshape(self.ep * self.tokens, 2 * self.local)
 
     def receive_metadata(self, meta_S2L: torch.Tensor) -> OwnerRows:
