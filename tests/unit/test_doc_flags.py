@@ -6,7 +6,7 @@ What counts, read from the docs themselves: every ``--flag`` anywhere in them, i
 code spans (a span may wrap lines) and prose alike. Each mention is accepted where the
 driver's parser (``arguments.build_parser``, as ``parse_args`` builds it) knows its flag and,
 for a Megatron-LM flag the driver refuses (``megatron_lm_flags``), where the mention shows it
-with the one value the driver runs with (``--eval-iters 0``, ``--no-rope-fusion``): the flag and
+with the one value the driver runs with (``--eval-iters 0``, ``--no-load-rng``): the flag and
 the words after it in its code span go through ``megatron_lm_flags.all_refusals`` as
 ``parse_args`` judges a command line.
 

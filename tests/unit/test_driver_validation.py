@@ -107,7 +107,6 @@ def test_megatron_lm_required_flags_are_required(refused):
      "(WORLD_SIZE, the ranks launched): launch a multiple of 2 ranks or change the sizes"),
     (3, ["--tensor-model-parallel-size", "3", "--sequence-parallel"],
      "--num-attention-heads 8 must be divisible by --tensor-model-parallel-size 3"),
-    (1, ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (4, ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
      "--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs --sequence-parallel"),
     (2, ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -209,7 +208,7 @@ def test_te_probing_checks_are_left_to_setup_only_without_te(capsys, refused):
                    ).startswith("Invalid MoE patch configuration: moe_single_grouped_weight=True needs an "
                                       "expert backend that holds grouped parameters")
     assert set(arguments.TE_PROBED_FIELDS) == {"moe_permute_fusion", "fp8", "fp8_recipe",
-                                               "moe_router_padding_for_quantization"}
+                                               "moe_router_padding_for_quantization", "apply_rope_fusion"}
 
 
 def test_fp8_wgrad_flag_maps_into_the_config():

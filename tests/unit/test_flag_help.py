@@ -8,9 +8,10 @@ import pytest
 from megatron.moe_patches.driver import megatron_lm_flags
 from megatron.moe_patches.driver.arguments import build_parser
 
-# Megatron-LM's flags the driver refuses stay out of --help: the epilog says so, and the
-# table (megatron_lm_flags) gives each one's reason.
-REFUSED = {name for row in megatron_lm_flags.refused_flags() for name in row.names}
+# Megatron-LM's flags the driver refuses, or takes as changing nothing, stay out of --help: the
+# epilog says so, and the table (megatron_lm_flags) gives each one's reason.
+REFUSED = {name for row in (*megatron_lm_flags.refused_flags(), *megatron_lm_flags.no_effect_flags())
+           for name in row.names}
 
 
 def _flag_actions():

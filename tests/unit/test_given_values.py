@@ -45,8 +45,8 @@ def test_every_float_flag_of_the_driver_has_a_domain():
     parser = arguments.build_parser()
     from megatron.moe_patches.driver import megatron_lm_flags
 
-    refused_dests = {row.dest for row in megatron_lm_flags.FLAGS if row.refused}
-    domains = set(arguments.NOT_NEGATIVE + arguments.FRACTIONS + arguments.POSITIVE_FLOATS)
+    refused_dests = {row.dest for row in megatron_lm_flags.FLAGS if row.refused or row.no_effect}
+    domains = set(arguments.NOT_NEGATIVE + arguments.FRACTIONS + arguments.POSITIVE_FLOATS + arguments.UP_TO_ONE)
     floats = {a.dest for a in parser._actions if a.type is float and a.dest not in refused_dests}
     assert floats and not floats - domains, sorted(floats - domains)
 

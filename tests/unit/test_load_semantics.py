@@ -134,6 +134,7 @@ SAVED_MODEL_ARGS = dict(
     num_layers=6, hidden_size=384, ffn_hidden_size=1536, num_attention_heads=12, num_query_groups=4,
     kv_channels=32, seq_length=1024, max_position_embeddings=2048, vocab_size=50000, normalization="RMSNorm",
     swiglu=True, disable_bias_linear=True, position_embedding_type="rope", rotary_base=500000,
+    rotary_percent=0.5,
     untie_embeddings_and_output_weights=True, qk_layernorm=True, num_experts=16, moe_ffn_hidden_size=768,
     moe_router_topk=4, moe_shared_expert_intermediate_size=1024,
 )

@@ -84,12 +84,9 @@ MEGATRON_LM_DEFAULTS = {
 # Where this driver runs otherwise than Megatron-LM's default: the flag that asks for the
 # driver's behaviour is accepted, Megatron-LM's default (in a recipe) is refused.
 RUNS_OTHERWISE = {
-    "--no-check-for-nan-in-loss-and-grad": False, "--no-masked-softmax-fusion": False,
-    "--no-bias-gelu-fusion": False, "--no-bias-swiglu-fusion": False, "--no-bias-dropout-fusion": False,
-    "--no-rope-fusion": False, "--no-persist-layer-norm": True,
+    "--no-persist-layer-norm": True,
     "--no-ckpt-fully-parallel-save": False, "--no-save-rng": True, "--no-load-rng": True,
-    "--attention-softmax-in-fp32": True, "--accumulate-allreduce-grads-in-fp32": True,
-    "--no-overlap-p2p-communication": False, "--eval-iters": 0, "--num-workers": 0,
+    "--no-overlap-p2p-communication": False, "--eval-iters": 0,
     "--no-create-attention-mask-in-dataloader": False, "--log-throughput": True, "--log-timers-to-tensorboard": True,
     "--no-log-loss-scale-to-tensorboard": False, "--log-memory-to-tensorboard": True, "--no-one-logger": False,
     "--rerun-mode": "disabled", "--disable-msc": False,
@@ -112,7 +109,7 @@ def test_megatron_lm_defaults_as_written_in_its_source(flag):
     assert (row.dest, row.megatron_lm_default) == MEGATRON_LM_DEFAULTS[flag]
 
 
-@pytest.mark.parametrize("flag", [name for name in MEGATRON_LM_DEFAULTS if BY_NAME[name].refused is None])
+@pytest.mark.parametrize("flag", [name for name in MEGATRON_LM_DEFAULTS if BY_NAME[name] in supported_flags()])
 def test_supported_flags_parse_to_megatron_lm_defaults(flag):
     dest, default = MEGATRON_LM_DEFAULTS[flag]
     assert _driver_default(build_parser(), dest) == default
@@ -154,18 +151,25 @@ def _asking_argv(row):
     return [row.name, *[value] * count]
 
 
+# The setting that makes an ``only_with`` row's flag count: given after the row's flag.
+ONLY_WITH_ARGV = {"tensorboard_dir": ["--tensorboard-dir", "/tmp/tb"], "wandb_project": ["--wandb-project", "p"]}
+
+
 @pytest.mark.parametrize("row", refused_flags(), ids=lambda row: row.name)
 def test_each_refused_flag_is_refused_by_name_with_the_reason(row, refused, parsed):
     argv = _asking_argv(row)
     parser = build_parser()
     value = parser.parse_args([*REQUIRED, *argv]).__dict__[row.dest]
+    context = ONLY_WITH_ARGV[row.only_with] if row.only_with else []
     if row.accepted is not NOT_OFFERED and value == row.accepted:  # asks for what the driver does
         assert row.dest not in vars(parsed([*REQUIRED, *argv]))
     else:
-        assert refused([*REQUIRED, *argv]) == f"{row.name}: {row.refused}"
+        assert refused([*REQUIRED, *argv, *context]) == f"{row.name}: {row.refused}"
+        if row.only_with:  # without that setting Megatron-LM reads no value of it: accepted
+            assert row.dest not in vars(parsed([*REQUIRED, *argv]))
     for alias in row.names[1:]:
         if row.action != "boolean_optional" and value != row.accepted:
-            assert refused([*REQUIRED, alias, *argv[1:]]) == f"{alias}: {row.refused}"
+            assert refused([*REQUIRED, alias, *argv[1:], *context]) == f"{alias}: {row.refused}"
 
 
 def test_refused_flags_at_the_value_the_driver_runs_with_are_accepted(parsed):
@@ -196,7 +200,9 @@ def test_the_drivers_behaviour_is_accepted_and_megatron_lms_default_refused(flag
     recipe = tmp_path / "r.yaml"
     value = False if row.megatron_lm_default is None else row.megatron_lm_default  # None: a switch not given
     recipe.write_text(f"{row.dest}: {json.dumps(value)}\n")
-    assert refused([*REQUIRED, "--yaml-cfg", str(recipe)]) == f"{recipe}:1: '{row.dest}' ({flag}): {row.refused}"
+    context = ONLY_WITH_ARGV[row.only_with] if row.only_with else []
+    assert refused([*REQUIRED, "--yaml-cfg", str(recipe), *context]) == (
+        f"{recipe}:1: '{row.dest}' ({flag}): {row.refused}")
 
 
 def test_refused_flags_that_are_config_fields_run_with_megatron_cores_default():

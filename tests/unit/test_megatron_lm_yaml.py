@@ -130,7 +130,7 @@ def test_config_fields_at_megatron_cores_defaults_are_accepted(tmp_path):
     ("eval_iters", 32, "--eval-iters", megatron_lm_flags.EVALUATION),
     ("train_samples", 1000, "--train-samples", megatron_lm_flags.SAMPLE_BASED),
     ("rampup_batch_size", "[4, 4, 100]", "--rampup-batch-size", megatron_lm_flags.BATCH_RAMPUP),
-    ("num_workers", 2, "--num-workers", megatron_lm_flags.DATA_LOADER),
+    ("dataloader_type", "cyclic", "--dataloader-type", megatron_lm_flags.DATA_LOADER),
 ])
 def test_settings_the_driver_refuses_name_the_file_line_and_flag(tmp_path, environment, key, value, flag, reason,
                                                                  refused):
@@ -142,8 +142,8 @@ def test_settings_the_driver_refuses_name_the_file_line_and_flag(tmp_path, envir
 
 
 def test_refused_sections_settings_too(tmp_path, environment, refused):
-    text = Path(GPT_CONFIG).read_text().replace("  apply_rope_fusion: False", "  apply_rope_fusion: True")
+    text = Path(GPT_CONFIG).read_text().replace("  tp_comm_overlap: False", "  tp_comm_overlap: True")
     path = recipe(tmp_path, text)
-    line = next(number for number, row in enumerate(text.splitlines(), 1) if "apply_rope_fusion" in row)
+    line = next(number for number, row in enumerate(text.splitlines(), 1) if "tp_comm_overlap" in row)
     assert refused(["--yaml-cfg", path]) == (
-        f"{path}:{line}: 'apply_rope_fusion' (--no-rope-fusion): {megatron_lm_flags.FUSIONS}")
+        f"{path}:{line}: 'tp_comm_overlap' (--tp-comm-overlap): {megatron_lm_flags.TP_OVERLAP}")

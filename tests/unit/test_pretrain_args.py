@@ -87,8 +87,9 @@ def test_args_to_config():
     args = parse_args(["--yaml-cfg", TINY, "--moe-device-tokens-per-expert", "--moe-mlp-glu-interleave-size", "64"])
     kwargs = transformer_config_kwargs(args)
     fusion = kwargs.pop("moe_permute_fusion")  # stock validation asks TE about it (not on CPU)
+    rope_fusion = kwargs.pop("apply_rope_fusion")  # the same (Megatron-LM's default, on with RoPE)
     config = PatchedTransformerConfig(**kwargs)
-    assert fusion is True
+    assert fusion is True and rope_fusion is True
     assert config.num_moe_experts == 8 and config.moe_ffn_hidden_size == 512
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
     assert config.add_bias_linear is False and config.params_dtype is torch.bfloat16

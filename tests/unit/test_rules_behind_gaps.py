@@ -198,7 +198,8 @@ def test_the_save_after_a_killed_resave_keeps_the_only_complete_checkpoint(tmp_p
 # A run asking for everything on: gated, no biases, device token counts, single grouped weights.
 ALL_ON = [*REQUIRED, "--num-experts", "8", "--moe-grouped-gemm", "--swiglu", "--disable-bias-linear",
           "--qk-layernorm", "--untie-embeddings-and-output-weights", "--bf16", "--moe-device-tokens-per-expert",
-          "--moe-single-grouped-weight"]
+          "--moe-single-grouped-weight",
+          "--no-bias-dropout-fusion", "--no-bias-gelu-fusion"]  # the saved biased GeLU experts: TEGroupedMLP's rule
 # What a checkpoint saved with all of them off holds (model args and patch switches).
 SAVED_OFF = dict(swiglu=False, disable_bias_linear=False, qk_layernorm=False,
                  untie_embeddings_and_output_weights=False, moe_device_tokens_per_expert=False,

@@ -46,6 +46,15 @@ from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
 
+# Megatron-LM's fusion switches: (flag, dest, what it fuses). On by default, as in Megatron-LM;
+# transformer_config_kwargs gives them to the config as core_transformer_config_from_args does.
+FUSION_FLAGS = (
+    ("--no-masked-softmax-fusion", "masked_softmax_fusion", "the attention's scaling, masking and softmax"),
+    ("--no-bias-gelu-fusion", "bias_gelu_fusion", "the MLP's bias and GeLU"),
+    ("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "the MLP's bias and SwiGLU (--swiglu)"),
+    ("--no-bias-dropout-fusion", "bias_dropout_fusion", "each layer's bias, dropout and residual add"),
+    ("--no-rope-fusion", "apply_rope_fusion", "RoPE (--position-embedding-type rope; Transformer Engine's kernel)"),
+)
 
 def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> None:
     model = parser.add_argument_group("model")
@@ -94,6 +103,8 @@ def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> 
                        help="Base period of the rotary position embeddings (--position-embedding-type rope).")
     model.add_argument("--rotary-interleaved", action="store_true",
                        help="Rotate interleaved pairs of channels instead of the two halves (RoPE).")
+    model.add_argument("--rotary-percent", type=float, default=1.0,
+                       help="Fraction of each head's channels that RoPE rotates (--position-embedding-type rope).")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Give the output layer its own weights instead of sharing the input embedding's.")
     model.add_argument("--qk-layernorm", action="store_true",
@@ -117,6 +128,12 @@ def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> 
                        type=megatron_lm_flags.attention_backend_name if names else megatron_lm_flags.attention_backend,
                        default=auto if names else auto.value(),
                        help="Attention kernel: flash, fused, unfused, local or auto (Transformer Engine picks).")
+    model.add_argument("--attention-softmax-in-fp32", action="store_true",
+                       help="Compute the attention softmax of megatron-core's own (local) attention in fp32 "
+                       "(Megatron-LM's flag; off: in the parameters' dtype).")
+    for flag, dest, what in FUSION_FLAGS:
+        model.add_argument(flag, action="store_false", dest=dest,
+                           help=f"Compute {what} unfused (Megatron-LM's flag; fused by default, as there).")
     model.add_argument("--cross-entropy-loss-fusion", action="store_true",
                        help="Compute the language-model cross entropy with a fused kernel.")
     model.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native",
@@ -308,6 +325,10 @@ def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> 
     train.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                        help="Have DDP add each micro-batch's weight gradients to the fp32 main grads instead of the "
                        "weight-gradient GEMMs (Megatron-LM's flag; by default they add into them, no APEX needed).")
+    train.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                       dest="check_for_nan_in_loss_and_grad",
+                       help="Do not stop the run on a NaN or Inf loss or gradient (Megatron-LM's flag; by default "
+                       "each micro-batch's loss and the reduced gradients are checked).")
     train.add_argument("--deterministic-mode", action="store_true",
                        help="Use deterministic kernels only, so that runs and resumed runs reproduce exactly.")
 
@@ -544,12 +565,16 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
             print(f"{parser.prog}: warning: {message}", file=sys.stderr, flush=True)
 
     # The checks of each setting on its own: every problem found, then all printed together.
-    problems = parser.pending + megatron_lm_flags.all_refusals(args, given_settings(parser, argv, recipe))
+    given = given_settings(parser, argv, recipe)
+    problems = parser.pending + megatron_lm_flags.all_refusals(args, given)
+    notes = megatron_lm_flags.no_effect_notes(args, given)
     megatron_lm_flags.drop_refused(args)
     problems += given_value_problems(args)
     if problems:
         parser.errors(problems)
     parser.pending = []
+    for note in notes:
+        warn(note)
     try:
         world_size = check_environment(args)
         apply_megatron_lm_rules(args, warn)
@@ -557,6 +582,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
         check_args(args, world_size=world_size)
         megatron_lm_flags.resolve_names(args)  # --attention-backend: megatron-core's AttnBackend member
         validate_config(args)
+        check_grouped_expert_fusions(args)  # megatron-core's asserts there: after the patch set's rules
     except ValueError as err:
         parser.error(str(err))
     return args
@@ -592,6 +618,9 @@ def apply_megatron_lm_rules(args: argparse.Namespace, warn: Callable[[str], None
             raise ValueError(f"--num-query-groups {args.num_query_groups} takes effect only with "
                              "--group-query-attention (as in Megatron-LM): add it, or drop --num-query-groups")
         args.num_query_groups = None  # multi-head attention, as config, checkpoints and logs read it
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
+        warn("Disabling sequence parallelism because tensor model parallelism is disabled")  # Megatron-LM's words
+        args.sequence_parallel = False
     if args.tokenizer_type == megatron_lm_flags.NULL_TOKENIZER and args.vocab_size is not None:
         args.vocab_size += 1  # Megatron-LM's null tokenizer adds the end-of-document id N to ids 0 .. N - 1
     if args.data_path and args.split is None:
@@ -822,6 +851,8 @@ NOT_NEGATIVE = ("lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", 
 FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction")
 POSITIVE_FLOATS = ("init_method_std", "adam_eps", "layernorm_epsilon", "embedding_init_method_std",
                    "moe_expert_capacity_factor", "moe_router_topk_scaling_factor", "moe_input_jitter_eps")
+# (0, 1]: RoPE rotates a share of each head's channels, at least one
+UP_TO_ONE = ("rotary_percent",)
 # Flags that name a file or directory: an empty value (an unset shell variable) is refused, never
 # read as "not given".
 PATH_FLAGS = ("save", "load", "data_path", "data_cache_path", "tensorboard_dir")
@@ -929,7 +960,7 @@ def _range_problems(args: argparse.Namespace) -> List[str]:
             _check_int_range(name, value)
         except ValueError as err:
             problem(name, str(err))
-    for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS):
+    for name, value in _values(args, NOT_NEGATIVE + FRACTIONS + POSITIVE_FLOATS + UP_TO_ONE):
         if isinstance(value, float) and not math.isfinite(value):
             problem(name, f"{_flag(name)} {value}: must be a finite number")
     for name, value in _values(args, NOT_NEGATIVE):
@@ -941,6 +972,9 @@ def _range_problems(args: argparse.Namespace) -> List[str]:
     for name, value in _values(args, POSITIVE_FLOATS):
         if value <= 0:
             problem(name, f"{_flag(name)} {value}: must be above 0")
+    for name, value in _values(args, UP_TO_ONE):
+        if not 0 < value <= 1:
+            problem(name, f"{_flag(name)} {value}: must be above 0 and at most 1")
     return list(found.values())
 
 
@@ -1063,8 +1097,6 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
                          f"{args.num_attention_heads} (or set --kv-channels)")
-    if args.sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     _check_sequence_split(args)
     if args.expert_model_parallel_size > 1 and tp > 1 and not args.sequence_parallel:
         raise ValueError("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs "
@@ -1098,6 +1130,32 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     for name in OUTPUT_DIRS:
         if getattr(args, name, None):
             _check_output_dir(_flag(name), getattr(args, name))
+
+
+def bias_gelu_fusion(args: argparse.Namespace) -> bool:
+    """Megatron-LM's rule: no bias, no bias-GeLU fusion (read after --use-checkpoint-args)."""
+    return args.bias_gelu_fusion and not args.disable_bias_linear
+
+
+def apply_rope_fusion(args: argparse.Namespace) -> bool:
+    """Megatron-LM's rule: RoPE fusion only with RoPE (read after --use-checkpoint-args)."""
+    return args.apply_rope_fusion and args.position_embedding_type == "rope"
+
+
+def check_grouped_expert_fusions(args: argparse.Namespace) -> None:
+    """megatron-core's TEGroupedMLP (the experts of --moe-grouped-gemm with Transformer Engine)
+    asserts that no expert bias meets the bias-dropout fusion, and fuses the bias-activation of
+    SwiGLU only: Megatron-LM stops there at start-up or in the first step, this driver before."""
+    if args.num_experts is None or not args.moe_grouped_gemm or args.transformer_impl != "transformer_engine":
+        return
+    if not args.disable_bias_linear and args.bias_dropout_fusion:
+        raise ValueError("--moe-grouped-gemm with expert biases (no --disable-bias-linear) and the bias-dropout "
+                         "fusion: megatron-core's TEGroupedMLP refuses that pair (Megatron-LM stops at its assert); "
+                         "add --no-bias-dropout-fusion or --disable-bias-linear")
+    if not args.swiglu and bias_gelu_fusion(args):
+        raise ValueError("--moe-grouped-gemm with GeLU experts and the bias-GeLU fusion: megatron-core's TEGroupedMLP "
+                         "fuses SwiGLU's bias-activation only (Megatron-LM stops in the first step); add "
+                         "--no-bias-gelu-fusion, --swiglu or --disable-bias-linear")
 
 
 def sequence_multiple(tensor_parallel: int, context_parallel: int, sequence_parallel: bool) -> int:
@@ -1314,6 +1372,7 @@ PATCH_ERROR_PREFIX = "Invalid MoE patch configuration"
 # setup() on the GPU machine, where TE is installed and they run in full.
 TE_PROBED_FIELDS = {
     "moe_permute_fusion": "megatron-core imports TE's fused permute kernels to check it",
+    "apply_rope_fusion": "megatron-core imports TE's fused RoPE kernels to check it",
     "fp8": "megatron-core checks TE's version for FP8 MoE training",
     "fp8_recipe": "read only together with fp8",
     "moe_router_padding_for_quantization": "megatron-core checks it against fp8 (check_args checks it instead)",
@@ -1488,6 +1547,12 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         cuda_graph_scope=args.cuda_graph_scope or [],  # [] the whole layer ("full" is deprecated)
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
+        # Megatron-LM's fusion switches, as core_transformer_config_from_args reads them
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else bias_gelu_fusion(args),
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        apply_rope_fusion=apply_rope_fusion(args),
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         **{name: getattr(args, name) for name in CONFIG_FIELD_FLAGS},
     )
     if args.fp8_format:

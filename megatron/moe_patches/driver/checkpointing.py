@@ -63,7 +63,7 @@ UPSTREAM_COMMON_KEY = "common_state/shard_0_1"
 MODEL_ARGS = [
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "seq_length", "max_position_embeddings", "vocab_size", "normalization",
-    "swiglu", "disable_bias_linear", "position_embedding_type", "rotary_base",
+    "swiglu", "disable_bias_linear", "position_embedding_type", "rotary_base", "rotary_percent",
     "untie_embeddings_and_output_weights", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
     "moe_router_topk", "moe_shared_expert_intermediate_size",
 ]

@@ -13,7 +13,12 @@ reads the flag, then its status here:
   value other than the one this driver runs with (``runs_as``: Megatron-LM's default
   unless the row says otherwise) into an error naming the flag and ``refused``: why, and
   what to use instead. A refused flag is never accepted and then ignored: the one value
-  it is accepted with is what the driver does anyway.
+  it is accepted with is what the driver does anyway. ``also_accepts`` names other values
+  that change nothing either (W&B's empty project), and ``only_with`` the setting without
+  which Megatron-LM reads none of its values (the TensorBoard switches without
+  --tensorboard-dir): without it, every value is accepted.
+- no effect (``no_effect``): every value is accepted, as none changes this driver's run
+  (``--num-workers``); a value other than ``runs_as`` gets a one-line note saying why.
 
 A row whose ``runs_as`` differs from Megatron-LM's default records where this driver's
 behaviour differs from Megatron-LM's defaults (its fusions, for example): the flag that
@@ -132,6 +137,9 @@ class MegatronLMFlag:
     refused: Optional[str] = None  # None: supported
     runs_as: Any = MEGATRON_LM_DEFAULT  # refused flags: the one value this driver runs with
     refused_values: Mapping[Any, str] = dataclasses.field(default_factory=dict)  # supported flags
+    also_accepts: Tuple[Any, ...] = ()  # refused flags: other values that change nothing either
+    only_with: Optional[str] = None  # refused flags: the dest without which no value changes anything
+    no_effect: Optional[str] = None  # every value accepted: why none changes this driver's run
 
     @property
     def name(self) -> str:
@@ -181,7 +189,9 @@ def opt(*spec, dest: Optional[str] = None, nargs=None, **status) -> MegatronLMFl
 
 # --- why a flag is refused ---------------------------------------------------------------
 ACTIVATION = "this driver builds GeLU or SwiGLU (--swiglu) MLPs only"
-ALWAYS_LOGGED = "this driver always logs it (what the flag asks for)"
+ALWAYS_LOGGED = "this driver always writes it and cannot leave it out: set it true, or drop the setting"
+ALWAYS_LOGS_THROUGHPUT = ("this driver logs the throughput (tokens/s, TFLOP/s per GPU) on every logged iteration and "
+                          "cannot leave it out: set it true, or drop the setting")
 ATTENTION_VARIANT = "this driver builds standard dot-product self-attention only"
 AUTORESUME = "ADLR autoresume is not run by this driver"
 BATCH_INVARIANT = "batch-invariant kernels are not offered by this driver (--deterministic-mode reproduces runs)"
@@ -221,6 +231,8 @@ FINETUNE = ("this driver resumes from --load as saved (--no-load-optim loads the
 FIM = "fill-in-the-middle data is not offered by this driver"
 FP16 = "fp16 training (with loss scaling) is not offered by this driver: use --bf16"
 FP32_GRADIENTS = "this driver accumulates and all-reduces gradients in fp32 (as Megatron-LM does with --bf16)"
+FP32_GRADIENTS_ALWAYS = ("this driver accumulates and all-reduces gradients in fp32 whatever it says (Megatron-LM "
+                         "forces it on with --bf16; fp32 parameters have fp32 gradients)")
 FP4 = "FP4 training is not offered by this driver"
 FP8_INTERVAL = "deprecated: Transformer Engine 1.8 and later ignore it"
 FP8_LAYER_CHOICE = "this driver runs every layer in FP8 when --fp8-format is given"
@@ -229,7 +241,7 @@ FSDP = ("FSDP is not offered: this driver trains with megatron-core's DDP (--use
         "optimizer)")
 FUSIONS = ("this driver builds megatron-core's TransformerConfig with this fusion off (megatron-core's default; in "
            "Megatron-LM the flag's --no- form asks for that)")
-GPT_MODEL_ROPE = "this driver builds full-width RoPE without scaling or interpolation"
+GPT_MODEL_ROPE = "this driver builds RoPE without scaling or interpolation"
 GRADIENT_DUMPS = "this driver does not save gradients"
 HETEROGENEOUS = "heterogeneous layer configurations are not built by this driver"
 INFERENCE = "an inference setting: this driver only trains"
@@ -255,6 +267,8 @@ MTP = "multi-token prediction is not built by this driver"
 NAN_CHECK = "this driver does not check the loss and the gradients for NaN or Inf"
 NCCL_TUNING = "this driver creates its NCCL communicators with their defaults"
 NO_LOSS_SCALE = "this driver has no loss scale to log (bf16 and fp32 train without one)"
+NO_WORKERS = ("this driver reads its samples in the training process (no DataLoader workers); the number of "
+              "workers changes no sample")
 NO_RNG_STATE = "this driver's checkpoints hold no RNG states: it neither saves nor loads them (what the flag asks for)"
 NOT_GPT = "a setting of a model other than GPT (BERT, T5, retrieval, vision, SFT); this driver pretrains GPT models"
 OBJECT_STORAGE = "this driver reads local files only, without the multi-storage client (what --disable-msc asks for)"
@@ -287,7 +301,6 @@ SAMPLE_MASKS = ("this driver builds GPT samples with megatron-core's defaults: n
                 "the loss on every token, no attention mask")
 SAVES_OPTIMIZER = "this driver always saves the optimizer states"
 SLIDING_WINDOW = "sliding-window attention is not built by this driver"
-SOFTMAX_IN_FP32 = "this driver computes the attention softmax in fp32 (megatron-core's default)"
 STRAGGLERS = "straggler detection is not run by this driver"
 STREAM_PRIORITIES = "this driver leaves the CUDA streams' priorities at their defaults"
 TENSORBOARD_INTERVAL = "this driver writes its TensorBoard scalars every --log-interval iterations"
@@ -298,6 +311,7 @@ TOKENIZERS = ("this driver loads no text tokenizer: it trains on token ids (mock
               "beforehand); give --vocab-size, with --tokenizer-type NullTokenizer as Megatron-LM counts it")
 TORCH_BACKEND = "this driver leaves PyTorch's matmul and JIT settings at their defaults"
 TP_OVERLAP = "TP communication overlap (Transformer Engine userbuffers) is not set up by this driver"
+TP_OVERLAP_ONLY = "read only with TP communication overlap (--tp-comm-overlap), which this driver does not set up"
 UPCYCLING = "upcycling a dense checkpoint to MoE is not offered by this driver"
 VIRTUAL_PIPELINE = ("this driver splits the layers evenly over --pipeline-model-parallel-size stages, without "
                     "virtual or uneven stages")
@@ -507,7 +521,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--relative-attention-max-distance", int, 128, refused=RELATIVE_POSITIONS),
     on("--use-rotary-position-embeddings", refused=DEPRECATED_ROTARY),
     opt("--rotary-base", int, 10000),
-    opt("--rotary-percent", float, 1.0, refused=GPT_MODEL_ROPE),
+    opt("--rotary-percent", float, 1.0),
     opt("--rotary-seq-len-interpolation-factor", int, None, refused=GPT_MODEL_ROPE),
     on("--use-rope-scaling", refused=GPT_MODEL_ROPE),
     opt("--rope-scaling-factor", float, 8.0, refused=GPT_MODEL_ROPE),
@@ -564,17 +578,17 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--iterations-to-skip", int, [], nargs="+", refused=LOOP_EXTRAS),
     opt("--batch-size", int, None, refused=DEPRECATED_BATCH_SIZE),
     on("--recompute-activations"),
-    off("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", refused=NAN_CHECK, runs_as=False),
+    off("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad"),
     on("--check-for-large-grads", refused=NAN_CHECK),
     opt("--result-rejected-tracker-filename", str, None, refused=RERUN_MACHINE),
     off("--disable-gloo-process-groups", dest="enable_gloo_process_groups", refused=PROCESS_GROUPS),
     opt("--tp-comm-overlap-cfg", str, None, refused=TP_OVERLAP),
     on("--checkpoint-activations", refused=REMOVED_CHECKPOINT_ACTIVATIONS),
-    off("--no-masked-softmax-fusion", dest="masked_softmax_fusion", refused=FUSIONS, runs_as=False),
-    off("--no-bias-gelu-fusion", dest="bias_gelu_fusion", refused=FUSIONS, runs_as=False),
-    off("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", refused=FUSIONS, runs_as=False),
-    off("--no-bias-dropout-fusion", dest="bias_dropout_fusion", refused=FUSIONS, runs_as=False),
-    off("--no-rope-fusion", dest="apply_rope_fusion", refused=FUSIONS, runs_as=False),
+    off("--no-masked-softmax-fusion", dest="masked_softmax_fusion"),
+    off("--no-bias-gelu-fusion", dest="bias_gelu_fusion"),
+    off("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion"),
+    off("--no-bias-dropout-fusion", dest="bias_dropout_fusion"),
+    off("--no-rope-fusion", dest="apply_rope_fusion"),
     opt("--rope-type", str, None, refused=MLA),
     on("--use-flash-attn", refused=DEPRECATED_FLASH_ATTN),
     opt("--optimizer", str, "adam", refused=OPTIMIZER),
@@ -711,8 +725,8 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--min-loss-scale", float, 1.0, refused=FP16),
     opt("--loss-scale-window", float, 1000, refused=FP16),
     opt("--hysteresis", int, 2, refused=FP16),
-    on("--attention-softmax-in-fp32", refused=SOFTMAX_IN_FP32, runs_as=True),
-    on("--accumulate-allreduce-grads-in-fp32", refused=FP32_GRADIENTS, runs_as=True),
+    on("--attention-softmax-in-fp32"),
+    on("--accumulate-allreduce-grads-in-fp32", no_effect=FP32_GRADIENTS_ALWAYS, runs_as=True),
     on("--fp16-lm-cross-entropy", refused=FP16),
     on("--reuse-grad-buf-for-mxfp8-param-ag", refused=FP8_PARAMS),
     opt("--decoder-first-pipeline-num-layers", int, None, refused=VIRTUAL_PIPELINE),
@@ -786,7 +800,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--sample-rate", float, 1.0, refused=NOT_GPT),
     opt("--mask-prob", float, 0.15, refused=NOT_GPT),
     opt("--short-seq-prob", float, 0.1, refused=NOT_GPT),
-    opt("--num-workers", int, 2, refused=DATA_LOADER, runs_as=0),
+    opt("--num-workers", int, 2, no_effect=NO_WORKERS, runs_as=0),
     on("--reset-position-ids", refused=SAMPLE_MASKS),
     on("--reset-attention-mask", refused=SAMPLE_MASKS),
     on("--eod-mask-loss", refused=SAMPLE_MASKS),
@@ -888,28 +902,28 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--heterogeneous-layers-config-encoded-json", str, None, refused=HETEROGENEOUS),
     opt("--log-interval", int, 100),
     on("--log-params-norm", refused=LOGGED_EXTRAS),
-    on("--log-throughput", refused=ALWAYS_LOGGED, runs_as=True),
+    on("--log-throughput", refused=ALWAYS_LOGS_THROUGHPUT, runs_as=True),
     on("--log-progress", refused=LOGGED_EXTRAS),
     opt("--timing-log-level", int, 0, refused_values={2: TIMING_LEVEL_2}),
     opt("--timing-log-option", str, "minmax", refused=TIMERS),
     opt("--tensorboard-dir", str, None),
-    opt("--tensorboard-log-interval", int, 1, refused=TENSORBOARD_INTERVAL, runs_as=NOT_OFFERED),
-    opt("--tensorboard-queue-size", int, 1000, refused=TENSORBOARD_WRITER),
-    on("--log-timers-to-tensorboard", refused=ALWAYS_LOGGED, runs_as=True),
+    opt("--tensorboard-log-interval", int, 1, refused=TENSORBOARD_INTERVAL, runs_as=NOT_OFFERED, only_with="tensorboard_dir"),
+    opt("--tensorboard-queue-size", int, 1000, refused=TENSORBOARD_WRITER, only_with="tensorboard_dir"),
+    on("--log-timers-to-tensorboard", refused=ALWAYS_LOGGED, runs_as=True, only_with="tensorboard_dir"),
     off("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
-        dest="log_loss_scale_to_tensorboard", refused=NO_LOSS_SCALE, runs_as=False),
-    on("--log-validation-ppl-to-tensorboard", refused=EVALUATION),
-    on("--log-memory-to-tensorboard", refused=ALWAYS_LOGGED, runs_as=True),
+        dest="log_loss_scale_to_tensorboard", refused=NO_LOSS_SCALE, runs_as=False, only_with="tensorboard_dir"),
+    on("--log-validation-ppl-to-tensorboard", refused=EVALUATION, only_with="tensorboard_dir"),
+    on("--log-memory-to-tensorboard", refused=ALWAYS_LOGGED, runs_as=True, only_with="tensorboard_dir"),
     opt("--log-memory-interval", int, None, refused=LOGGED_EXTRAS),
     on("--log-device-memory-used", refused=LOGGED_EXTRAS),
     on("--log-num-zeros-in-grad"),
     on("--log-max-attention-logit", refused=LOGGED_EXTRAS),
     off("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time", refused=TIMERS),
-    on("--log-world-size-to-tensorboard", refused=LOGGED_EXTRAS),
-    opt("--wandb-project", str, None, refused=WANDB),
-    opt("--wandb-exp-name", str, None, refused=WANDB),
-    opt("--wandb-save-dir", str, None, refused=WANDB),
-    opt("--wandb-entity", str, None, refused=WANDB),
+    on("--log-world-size-to-tensorboard", refused=LOGGED_EXTRAS, only_with="tensorboard_dir"),
+    opt("--wandb-project", str, None, refused=WANDB, also_accepts=("",)),  # '': Megatron-LM's "no W&B"
+    opt("--wandb-exp-name", str, None, refused=WANDB, only_with="wandb_project"),
+    opt("--wandb-save-dir", str, None, refused=WANDB, only_with="wandb_project"),
+    opt("--wandb-entity", str, None, refused=WANDB, only_with="wandb_project"),
     opt("--logging-level", int, None, refused=LOGGED_EXTRAS),
     on("--log-energy", refused=LOGGED_EXTRAS),
     on("--log-straggler", refused=STRAGGLERS),
@@ -992,6 +1006,13 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--sft-tokenizer-prompt-format", str, "nemotron-h-aligned", refused=NOT_GPT),
 )
 
+# megatron-core config fields that Megatron-LM's YAML sections may set but no flag sets, whose
+# every value changes nothing on this driver's runs: field -> why (a recipe's value is accepted).
+NO_EFFECT_FIELDS: Dict[str, str] = {
+    "tp_comm_atomic_ag": TP_OVERLAP_ONLY,
+    "tp_comm_atomic_rs": TP_OVERLAP_ONLY,
+}
+
 _BY_DEST: Dict[str, List[MegatronLMFlag]] = {}
 for _row in FLAGS:
     _BY_DEST.setdefault(_row.dest, []).append(_row)
@@ -999,11 +1020,20 @@ BY_NAME: Dict[str, MegatronLMFlag] = {name: row for row in FLAGS for name in row
 
 
 def supported_flags() -> List[MegatronLMFlag]:
-    return [row for row in FLAGS if row.refused is None]
+    return [row for row in FLAGS if row.refused is None and row.no_effect is None]
 
 
 def refused_flags() -> List[MegatronLMFlag]:
     return [row for row in FLAGS if row.refused is not None]
+
+
+def no_effect_flags() -> List[MegatronLMFlag]:
+    return [row for row in FLAGS if row.no_effect is not None]
+
+
+def _unread_flags() -> List[MegatronLMFlag]:
+    """The flags this driver takes without reading them: refused ones and ones that change nothing."""
+    return [row for row in FLAGS if row.refused is not None or row.no_effect is not None]
 
 
 def _argparse_kwargs(row: MegatronLMFlag) -> dict:
@@ -1016,9 +1046,10 @@ def _argparse_kwargs(row: MegatronLMFlag) -> dict:
 
 
 def add_refused_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Give ``parser`` every refused flag with Megatron-LM's syntax (left out of ``--help``;
-    the table says why each is refused). Its default is the value this driver runs with."""
-    for row in refused_flags():
+    """Give ``parser`` every refused flag, and every flag that changes nothing here, with
+    Megatron-LM's syntax (left out of ``--help``; the table says why). Its default is the
+    value this driver runs with."""
+    for row in _unread_flags():
         # argparse makes the --no- spelling of a BooleanOptionalAction from the first name
         names = row.names[:1] if row.action == "boolean_optional" else row.names
         parser.add_argument(*names, **_argparse_kwargs(row))
@@ -1028,6 +1059,8 @@ def add_refused_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def _refusal(row: MegatronLMFlag, value: Any) -> Optional[Tuple[str, str]]:
     """(the refused value as shown, or "" for the flag itself; why) where this driver does
     not run ``value`` for ``row``'s flag, else None."""
+    if row.no_effect is not None or value in row.also_accepts:
+        return None
     if row.refused is not None:
         accepted = row.accepted
         return ("", row.refused) if accepted is NOT_OFFERED or value != accepted else None
@@ -1048,12 +1081,27 @@ def all_refusals(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> 
             continue
         judged.add(dest)
         for row in _BY_DEST.get(dest, ()):
+            if row.only_with is not None and not getattr(args, row.only_with, None):
+                continue  # Megatron-LM reads it only with that setting, which this run does not give
             refused = _refusal(row, getattr(args, dest))
             if refused:
                 shown, why = refused
                 errors.append(f"{label}{shown}: {why}")
                 break
     return errors
+
+
+def no_effect_notes(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> List[str]:
+    """One line for each of the ``given`` settings of a flag that changes nothing here, where
+    its value differs from what this driver does anyway: the value, and why it changes nothing."""
+    notes, judged = [], set()
+    for dest, label in given:
+        for row in _BY_DEST.get(dest, ()) if dest not in judged else ():
+            value = getattr(args, dest)
+            if row.no_effect is not None and value != row.accepted:
+                notes.append(f"{label} {value}: changes nothing here: {row.no_effect}")
+        judged.add(dest)
+    return notes
 
 
 def first_refusal(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> Optional[str]:
@@ -1065,6 +1113,6 @@ def first_refusal(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) ->
 def drop_refused(args: argparse.Namespace) -> None:
     """Take the refused flags out of ``args`` once they passed ``all_refusals``: each holds
     the value this driver runs with anyway, and the args (saved in checkpoints) keep to the
-    settings the driver reads."""
-    for row in refused_flags():
+    settings the driver reads. So are the flags that change nothing here."""
+    for row in _unread_flags():
         args.__dict__.pop(row.dest, None)

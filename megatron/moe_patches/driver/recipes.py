@@ -226,11 +226,14 @@ def _resolve(parser: argparse.ArgumentParser, section: Optional[str], key: str) 
 
 def _unflagged_field(parser: argparse.ArgumentParser, setting: Setting) -> bool:
     """Whether ``setting`` is a config field no flag sets; refused unless it holds
-    megatron-core's default, which is what this driver builds the config with."""
+    megatron-core's default, which is what this driver builds the config with, or is one
+    whose every value changes nothing here (``megatron_lm_flags.NO_EFFECT_FIELDS``)."""
     if any(action.dest == setting.dest for action in parser._actions):
         return False
+    from megatron.moe_patches.driver.megatron_lm_flags import NO_EFFECT_FIELDS
+
     default = _config_field_defaults()[setting.dest]
-    if setting.value != default:
+    if setting.value != default and setting.dest not in NO_EFFECT_FIELDS:
         raise RecipeError(f"'{setting.key}' {_spelled(setting.value)}: this driver builds the TransformerConfig "
                           f"with megatron-core's {setting.dest}={_bounded_repr(default)} (no flag sets it); "
                           "leave it out",

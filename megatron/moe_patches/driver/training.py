@@ -101,16 +101,24 @@ def build_model(args, config):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
     ).cuda()
     module = Float16Module(config, gpt) if args.bf16 else gpt
-    ddp_config = DistributedDataParallelConfig(
+    ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(args))
+    return gpt, DistributedDataParallel(config, ddp_config, module)
+
+
+def ddp_config_kwargs(args) -> dict:
+    """DistributedDataParallelConfig's kwargs from the parsed args."""
+    return dict(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
         # TE then hands DDP the weights' grad hooks to run after the delayed wgrad GEMMs
         delay_wgrad_compute=args.delay_wgrad_compute,
+        # Megatron-LM's --no-check-for-nan-in-loss-and-grad switches the gradients' check off
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
     )
-    return gpt, DistributedDataParallel(config, ddp_config, module)
 
 
 def build_optimizer(args, ddp_model):
@@ -190,25 +198,34 @@ def micro_batches(dataset, first_sample, args, dp_rank):
         index += step
 
 
-def forward_step(data_iterator, model, return_schedule_plan=False):
+def forward_step(data_iterator, model, return_schedule_plan=False, check_loss=False):
     batch = next(data_iterator)
     tokens = batch["tokens"].cuda(non_blocking=True)
     labels = batch["labels"].cuda(non_blocking=True)
     position_ids = batch["position_ids"].cuda(non_blocking=True)
     loss_mask = batch["loss_mask"].cuda(non_blocking=True).float()
     if return_schedule_plan:  # --overlap-moe-expert-parallel-comm: megatron-core's combined 1F1B runs the plan
-        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), partial(_loss, loss_mask)
+        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), partial(_loss, loss_mask, check_loss)
     output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(_loss, loss_mask)
+    return output, partial(_loss, loss_mask, check_loss)
 
 
-def _loss(loss_mask, per_token_loss):
+def _loss(loss_mask, check, per_token_loss):
     from megatron.core import parallel_state
 
     loss = torch.sum(per_token_loss.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    if check:  # Megatron-LM's check_for_nan_in_loss_and_grad: each rank's loss before the all-reduce
+        check_loss_finite(loss)
     reported = loss.detach().clone()
     dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
     return loss, {"lm loss": reported / parallel_state.get_data_parallel_world_size()}
+
+
+def check_loss_finite(loss) -> None:
+    """Stop the run on a NaN or Inf loss, in Megatron-LM's words (its rerun machine, disabled)."""
+    for rejected, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+        if rejected(loss):
+            raise RuntimeError(f"found {what} in local forward loss calculation")
 
 
 def model_flops_per_token(args) -> float:
@@ -411,7 +428,7 @@ def pretrain(args: argparse.Namespace) -> None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=partial(forward_step, check_loss=args.check_for_nan_in_loss_and_grad),
             data_iterator=data,
             model=[model],
             num_microbatches=num_micro_batches,
