@@ -64,8 +64,10 @@ LAYOUTS = {
     "op_fuser": ["--use-transformer-engine-op-fuser"],
     "interleave": ["--use-transformer-engine-op-fuser", "--moe-mlp-glu-interleave-size", "32"],
     "sequential": [],  # SequentialMLP: the tiny recipe without --moe-grouped-gemm (see recipe_for)
-    "te_bias": [],  # stock TE experts with biases (see recipe_for)
-    "grouped_bias": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight", "--moe-single-grouped-bias"],
+    # stock TE experts with biases (see recipe_for); TEGroupedMLP takes biases without bias-dropout fusion only
+    "te_bias": ["--no-bias-dropout-fusion"],
+    "grouped_bias": ["--moe-device-tokens-per-expert", "--moe-single-grouped-weight", "--moe-single-grouped-bias",
+                     "--no-bias-dropout-fusion"],
 }
 # Recipe lines a layout drops: store_true flags of the tiny recipe it must not have.
 DROPPED_RECIPE_LINES = {"sequential": "moe-grouped-gemm:", "te_bias": "disable-bias-linear:",
