@@ -56,335 +56,334 @@ FUSION_FLAGS = (
     ("--no-rope-fusion", "apply_rope_fusion", "RoPE (--position-embedding-type rope; Transformer Engine's kernel)"),
 )
 
-def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> None:
-    model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers (required).")
-    model.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size (model width; required).")
-    model.add_argument("--ffn-hidden-size", type=int, default=None,
-                       help="Hidden size of the MLP's first projection (default: 4 x --hidden-size; with --swiglu "
-                       "2/3 of that, rounded down to a multiple of 64).")
-    model.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads (required).")
-    model.add_argument("--group-query-attention", action="store_true",
-                       help="Grouped-query attention with --num-query-groups key/value groups (without it: "
-                       "multi-head attention, one group per head).")
-    model.add_argument("--num-query-groups", type=int, default=1,
-                       help="Number of key/value groups; takes effect with --group-query-attention.")
-    model.add_argument("--kv-channels", type=int, default=None,
-                       help="Projection size of each attention head "
-                       "(default: --hidden-size / --num-attention-heads).")
-    model.add_argument("--seq-length", type=int, default=None,
-                       help="Length of each training sample, in tokens (required).")
-    model.add_argument("--max-position-embeddings", type=int, default=None,
-                       help="Longest sequence the position embeddings cover, in tokens: at least --seq-length "
-                       "(required).")
-    model.add_argument("--vocab-size", type=int, default=None,
-                       help="Number of token ids, the last one the end of document (required); with "
-                       "--tokenizer-type NullTokenizer, Megatron-LM's count: ids 0 .. N, N the end of document. "
-                       "The embedding table is padded to a multiple of 128 x --tensor-model-parallel-size.")
-    model.add_argument("--tokenizer-type", choices=megatron_lm_flags.TOKENIZER_TYPES, default=None,
-                       help="NullTokenizer: token ids without a text tokenizer, --vocab-size counted as "
-                       "Megatron-LM's null tokenizer counts it (the only type offered here).")
-    model.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
-                       help="Normalization layer type.")
-    model.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
-                       help="Epsilon of the normalization layers.")
-    model.add_argument("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma", action="store_true",
-                       help="Zero-centred normalization weights (1 + gamma), for numerical stability.")
-    model.add_argument("--swiglu", action="store_true",
-                       help="Use the SwiGLU gated activation in the MLPs instead of GeLU.")
-    model.add_argument("--disable-bias-linear", action="store_true",
-                       help="Leave out the biases of the linear layers.")
-    model.add_argument("--add-qkv-bias", action="store_true",
-                       help="Give the query/key/value projection a bias even with --disable-bias-linear.")
-    model.add_argument("--position-embedding-type", choices=megatron_lm_flags.POSITION_EMBEDDING_TYPES,
-                       default="learned_absolute",
-                       help="Position embedding type: learned absolute embeddings or rotary (RoPE).")
-    model.add_argument("--rotary-base", type=int, default=10000,
-                       help="Base period of the rotary position embeddings (--position-embedding-type rope).")
-    model.add_argument("--rotary-interleaved", action="store_true",
-                       help="Rotate interleaved pairs of channels instead of the two halves (RoPE).")
-    model.add_argument("--rotary-percent", type=float, default=1.0,
-                       help="Fraction of each head's channels that RoPE rotates (--position-embedding-type rope).")
-    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                       help="Give the output layer its own weights instead of sharing the input embedding's.")
-    model.add_argument("--qk-layernorm", action="store_true",
-                       help="Normalize the queries and keys before computing the attention scores.")
-    model.add_argument("--init-method-std", type=float, default=0.02,
-                       help="Standard deviation of the normal distribution the weights are initialized from.")
-    model.add_argument("--embedding-init-method-std", type=float, default=None,
-                       help="Standard deviation for the embedding weights (default: --init-method-std).")
-    model.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
-                       help="Take the residual connection after the normalization instead of before it.")
-    model.add_argument("--fp32-residual-connection", action="store_true",
-                       help="Keep the residual stream in fp32 (needs --bf16).")
-    model.add_argument("--hidden-dropout", type=float, default=0.1,
-                       help="Dropout probability on the outputs of the attention and MLP blocks.")
-    model.add_argument("--attention-dropout", type=float, default=0.1,
-                       help="Dropout probability on the attention probabilities.")
-    model.add_argument("--transformer-impl", choices=megatron_lm_flags.TRANSFORMER_IMPLS, default="transformer_engine",
-                       help="Transformer layer implementation: Transformer Engine's or megatron-core's own.")
+# A row of the flag tables: the option strings, and add_argument's other arguments.
+_Row = Tuple[Tuple[str, ...], dict]
+
+
+def _on(*spec, **kwargs) -> _Row:
+    """A switch that sets its dest to True: ``_on(name, [alias, ...], help, ...)``."""
+    return spec[:-1], dict(action="store_true", help=spec[-1], **kwargs)
+
+
+def _off(*spec, dest: str) -> _Row:
+    """A switch that sets ``dest`` (True by default) to False: ``_off(name, [alias, ...], help, dest=...)``."""
+    return spec[:-1], dict(action="store_false", dest=dest, help=spec[-1])
+
+
+def _opt(*spec, **kwargs) -> _Row:
+    """A flag that takes values: ``_opt(name, [alias, ...], type, default, help, ...)``."""
+    value_type, default, help_text = spec[-3:]
+    return spec[:-3], dict(type=value_type, default=default, help=help_text, **kwargs)
+
+
+def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
+    """The driver's own flags, by --help group, in --help order; ``names`` as in ``_build_parser``."""
     auto = megatron_lm_flags.AttnBackendName("auto")
-    model.add_argument("--attention-backend",
-                       type=megatron_lm_flags.attention_backend_name if names else megatron_lm_flags.attention_backend,
-                       default=auto if names else auto.value(),
-                       help="Attention kernel: flash, fused, unfused, local or auto (Transformer Engine picks).")
-    model.add_argument("--attention-softmax-in-fp32", action="store_true",
-                       help="Compute the attention softmax of megatron-core's own (local) attention in fp32 "
-                       "(Megatron-LM's flag; off: in the parameters' dtype).")
-    for flag, dest, what in FUSION_FLAGS:
-        model.add_argument(flag, action="store_false", dest=dest,
-                           help=f"Compute {what} unfused (Megatron-LM's flag; fused by default, as there).")
-    model.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                       help="Compute the language-model cross entropy with a fused kernel.")
-    model.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native",
-                       help="Fused cross entropy kernel (--cross-entropy-loss-fusion): megatron-core's or "
-                       "Transformer Engine's.")
-    model.add_argument("--no-clone-scatter-output-in-embedding", "--disable-clone-scatter-output-in-embedding",
-                       dest="clone_scatter_output_in_embedding", action="store_false",
-                       help="Do not clone the embedding's sequence-parallel scatter output (saves memory).")
+    model = (
+        _opt("--num-layers", int, None, "Number of transformer layers (required)."),
+        _opt("--hidden-size", int, None, "Transformer hidden size (model width; required)."),
+        _opt("--ffn-hidden-size", int, None,
+             "Hidden size of the MLP's first projection (default: 4 x --hidden-size; with --swiglu "
+             "2/3 of that, rounded down to a multiple of 64)."),
+        _opt("--num-attention-heads", int, None, "Number of attention heads (required)."),
+        _on("--group-query-attention",
+            "Grouped-query attention with --num-query-groups key/value groups (without it: "
+            "multi-head attention, one group per head)."),
+        _opt("--num-query-groups", int, 1, "Number of key/value groups; takes effect with --group-query-attention."),
+        _opt("--kv-channels", int, None,
+             "Projection size of each attention head "
+             "(default: --hidden-size / --num-attention-heads)."),
+        _opt("--seq-length", int, None, "Length of each training sample, in tokens (required)."),
+        _opt("--max-position-embeddings", int, None,
+             "Longest sequence the position embeddings cover, in tokens: at least --seq-length "
+             "(required)."),
+        _opt("--vocab-size", int, None,
+             "Number of token ids, the last one the end of document (required); with "
+             "--tokenizer-type NullTokenizer, Megatron-LM's count: ids 0 .. N, N the end of document. "
+             "The embedding table is padded to a multiple of 128 x --tensor-model-parallel-size."),
+        _opt("--tokenizer-type", None, None,
+             "NullTokenizer: token ids without a text tokenizer, --vocab-size counted as "
+             "Megatron-LM's null tokenizer counts it (the only type offered here).",
+             choices=megatron_lm_flags.TOKENIZER_TYPES),
+        _opt("--normalization", None, "LayerNorm", "Normalization layer type.", choices=["LayerNorm", "RMSNorm"]),
+        _opt("--norm-epsilon", float, 1e-5, "Epsilon of the normalization layers.", dest="layernorm_epsilon"),
+        _on("--apply-layernorm-1p",
+            "Zero-centred normalization weights (1 + gamma), for numerical stability.",
+            dest="layernorm_zero_centered_gamma"),
+        _on("--swiglu", "Use the SwiGLU gated activation in the MLPs instead of GeLU."),
+        _on("--disable-bias-linear", "Leave out the biases of the linear layers."),
+        _on("--add-qkv-bias", "Give the query/key/value projection a bias even with --disable-bias-linear."),
+        _opt("--position-embedding-type", None, "learned_absolute",
+             "Position embedding type: learned absolute embeddings or rotary (RoPE).",
+             choices=megatron_lm_flags.POSITION_EMBEDDING_TYPES),
+        _opt("--rotary-base", int, 10000,
+             "Base period of the rotary position embeddings (--position-embedding-type rope)."),
+        _on("--rotary-interleaved", "Rotate interleaved pairs of channels instead of the two halves (RoPE)."),
+        _opt("--rotary-percent", float, 1.0,
+             "Fraction of each head's channels that RoPE rotates (--position-embedding-type rope)."),
+        _on("--untie-embeddings-and-output-weights",
+            "Give the output layer its own weights instead of sharing the input embedding's."),
+        _on("--qk-layernorm", "Normalize the queries and keys before computing the attention scores."),
+        _opt("--init-method-std", float, 0.02,
+             "Standard deviation of the normal distribution the weights are initialized from."),
+        _opt("--embedding-init-method-std", float, None,
+             "Standard deviation for the embedding weights (default: --init-method-std)."),
+        _on("--apply-residual-connection-post-layernorm",
+            "Take the residual connection after the normalization instead of before it."),
+        _on("--fp32-residual-connection", "Keep the residual stream in fp32 (needs --bf16)."),
+        _opt("--hidden-dropout", float, 0.1, "Dropout probability on the outputs of the attention and MLP blocks."),
+        _opt("--attention-dropout", float, 0.1, "Dropout probability on the attention probabilities."),
+        _opt("--transformer-impl", None, "transformer_engine",
+             "Transformer layer implementation: Transformer Engine's or megatron-core's own.",
+             choices=megatron_lm_flags.TRANSFORMER_IMPLS),
+        _opt("--attention-backend",
+             megatron_lm_flags.attention_backend_name if names else megatron_lm_flags.attention_backend,
+             auto if names else auto.value(),
+             "Attention kernel: flash, fused, unfused, local or auto (Transformer Engine picks)."),
+        _on("--attention-softmax-in-fp32",
+            "Compute the attention softmax of megatron-core's own (local) attention in fp32 "
+            "(Megatron-LM's flag; off: in the parameters' dtype)."),
+        *(_off(flag, f"Compute {what} unfused (Megatron-LM's flag; fused by default, as there).", dest=dest)
+          for flag, dest, what in FUSION_FLAGS),
+        _on("--cross-entropy-loss-fusion", "Compute the language-model cross entropy with a fused kernel."),
+        _opt("--cross-entropy-fusion-impl", None, "native",
+             "Fused cross entropy kernel (--cross-entropy-loss-fusion): megatron-core's or "
+             "Transformer Engine's.", choices=["native", "te"]),
+        _off("--no-clone-scatter-output-in-embedding", "--disable-clone-scatter-output-in-embedding",
+             "Do not clone the embedding's sequence-parallel scatter output (saves memory).",
+             dest="clone_scatter_output_in_embedding"),
+    )
+    recompute = (
+        _on("--recompute-activations",
+            "Recompute the attention core in the backward pass (--recompute-granularity "
+            "selective)."),
+        _opt("--recompute-granularity", None, None,
+             "Recompute whole layers (full) or chosen parts (selective, --recompute-modules) in "
+             "the backward pass instead of keeping their activations (default: keep them).",
+             choices=["full", "selective"]),
+        _opt("--recompute-method", None, None,
+             "Full recomputation: of --recompute-num-layers layers per chunk (uniform), or of "
+             "the first --recompute-num-layers layers of each pipeline stage (block).", choices=["uniform", "block"]),
+        _opt("--recompute-num-layers", int, None, "Layers recomputed per chunk or stage (--recompute-method)."),
+        _opt("--recompute-modules", None, None,
+             "Parts recomputed with --recompute-granularity selective (megatron-core's names: "
+             "core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts; default: "
+             "core_attn).", nargs="+"),
+        _on("--distribute-saved-activations",
+            "Split the checkpointed activations across the tensor-parallel ranks "
+            "(full recomputation, TP > 1)."),
+    )
+    moe = (
+        _opt("--num-experts", int, None, "Number of experts in each MoE layer (default: a dense model, no experts)."),
+        _opt("--moe-ffn-hidden-size", int, None, "Hidden size of each expert's MLP (default: --ffn-hidden-size)."),
+        _opt("--moe-router-topk", int, 2, "Number of experts each token is routed to."),
+        _on("--moe-grouped-gemm", "Compute a rank's experts with grouped GEMMs instead of one GEMM per expert."),
+        _opt("--moe-token-dispatcher-type", None, "allgather",
+             "How tokens are sent to their experts' ranks: all-gather, all-to-all, or the flex "
+             "dispatcher (DeepEP or HybridEP).", choices=["allgather", "alltoall", "flex"]),
+        _opt("--moe-flex-dispatcher-backend", None, "deepep",
+             "Communication backend of the flex dispatcher (--moe-token-dispatcher-type flex).",
+             choices=["deepep", "hybridep"]),
+        _opt("--moe-router-load-balancing-type", None, "aux_loss",
+             "Router load balancing: auxiliary loss per micro-batch, per sequence or over the global "
+             "batch, Sinkhorn, or none; several types combine, each with its --moe-aux-loss-coeff.",
+             nargs="+", choices=megatron_lm_flags.MOE_LOAD_BALANCING_TYPES),
+        _opt("--moe-aux-loss-coeff", float, 0.0,
+             "Scaling coefficient of the load-balancing auxiliary loss (one per "
+             "--moe-router-load-balancing-type).", nargs="+"),
+        _opt("--moe-z-loss-coeff", float, None, "Scaling coefficient of the router's z-loss (default: no z-loss)."),
+        _opt("--moe-input-jitter-eps", float, None,
+             "Multiply the router input by uniform noise in [1 - eps, 1 + eps] (default: none)."),
+        _opt("--moe-router-score-function", None, "softmax", "Router score function.", choices=["softmax", "sigmoid"]),
+        _opt("--moe-router-topk-scaling-factor", float, None,
+             "Scale the top-k routing probabilities by this factor (default: 1)."),
+        _opt("--moe-router-dtype", None, None,
+             "Compute the routing in this precision (default: the model's).", choices=["fp32", "fp64"]),
+        _on("--moe-router-enable-expert-bias",
+            "Auxiliary-loss-free load balancing: a per-expert bias added to the routing scores, "
+            "updated after each step (needs --moe-router-score-function sigmoid)."),
+        _opt("--moe-router-bias-update-rate", float, 1e-3,
+             "Update rate of the expert bias (--moe-router-enable-expert-bias)."),
+        _opt("--moe-router-num-groups", int, None,
+             "Group-limited routing: the number of expert groups (default: no groups)."),
+        _opt("--moe-router-group-topk", int, None,
+             "Group-limited routing: the number of groups each token may be routed to."),
+        _on("--moe-router-force-load-balancing",
+            "Route the tokens evenly to the experts, ignoring the router (for benchmarks)."),
+        _on("--moe-router-fusion", "Compute the top-k routing with Transformer Engine's fused kernels."),
+        _opt("--moe-expert-capacity-factor", float, None,
+             "Expert capacity as a multiple of the even share of tokens; tokens beyond it are "
+             "dropped (default: dropless)."),
+        _on("--moe-pad-expert-input-to-capacity",
+            "Pad each expert's input to its capacity (with --moe-expert-capacity-factor)."),
+        _opt("--moe-token-drop-policy", None, "probs",
+             "Which tokens are dropped beyond capacity: those of lowest probability, or the last.",
+             choices=["probs", "position"]),
+        _on("--moe-apply-probs-on-input",
+            "Multiply the routing probabilities into the expert input instead of its output "
+            "(top-1 routing)."),
+        _on("--moe-layer-recompute",
+            "Recompute each MoE layer in the backward pass instead of keeping its activations."),
+        _on("--moe-permute-fusion", "Use Transformer Engine's fused kernels to permute and unpermute the tokens."),
+        _on("--moe-router-pre-softmax",
+            "Take the softmax over all router logits before the top-k selection "
+            "(without it: over the top-k logits after it)."),
+        _on("--moe-router-padding-for-quantization",
+            "Pad each expert's token count to the alignment the FP8 GEMMs need "
+            "(needs --fp8-format)."),
+        _opt("--moe-shared-expert-intermediate-size", int, None,
+             "Total hidden size of the shared experts, which process every token "
+             "(default: no shared experts)."),
+        _on("--moe-shared-expert-gate", "Scale the shared experts' output by a learned sigmoid gate."),
+        _on("--moe-shared-expert-overlap",
+            "Compute the shared experts while the routed tokens are exchanged (alltoall or flex)."),
+        _opt("--moe-deepep-num-sms", int, 20, "SMs DeepEP's kernels may use (--moe-flex-dispatcher-backend deepep)."),
+        _opt("--moe-hybridep-num-sms", int, 16,
+             "SMs HybridEP's kernels may use (--moe-flex-dispatcher-backend hybridep)."),
+    )
+    parallel = (
+        _opt("--tensor-model-parallel-size", int, 1,
+             "Tensor model parallel size: ranks each layer's weights are split across."),
+        _opt("--pipeline-model-parallel-size", int, 1,
+             "Pipeline model parallel size: stages the layers are split into."),
+        _opt("--expert-model-parallel-size", int, 1,
+             "Expert model parallel size: ranks the experts are distributed across."),
+        _opt("--expert-tensor-parallel-size", int, None,
+             "Tensor parallel size inside each expert (default: --tensor-model-parallel-size)."),
+        _on("--sequence-parallel",
+            "Split the work outside the tensor-parallel layers (norms, dropout) along the "
+            "sequence across the tensor-parallel ranks."),
+        _on("--overlap-moe-expert-parallel-comm",
+            "Hide the expert-parallel all-to-all behind the computation of another "
+            "micro-batch (megatron-core's combined 1F1B schedule); needs "
+            "--expert-model-parallel-size > 1, --moe-token-dispatcher-type alltoall or flex, "
+            "--bf16 and --pipeline-model-parallel-size 1."),
+        _on("--delay-wgrad-compute",
+            "Compute the weight gradients apart from the input gradients, so that they "
+            "overlap the all-to-all too; needs --overlap-moe-expert-parallel-comm and "
+            "--transformer-impl transformer_engine."),
+    )
+    graphs = (
+        _opt("--cuda-graph-impl", None, "none",
+             "Capture parts of each layer as CUDA graphs. With --cuda-graph-scope moe and "
+             "dropless MoE this driver captures each MoE layer's forward and backward itself "
+             "(F11: needs --moe-device-tokens-per-expert, EP 1, alltoall or allgather).",
+             choices=["none", "local", "transformer_engine"]),
+        _opt("--cuda-graph-scope", None, [],
+             "What to capture: moe (the whole MoE layer), or megatron-core's attn, mlp, "
+             "moe_router, moe_preprocess (default: the whole layer).", nargs="+"),
+        _opt("--cuda-graph-warmup-steps", int, 3, "Training steps run eagerly before the capture."),
+    )
+    precision = (
+        _on("--bf16", "Train in bfloat16 mixed precision."),
+        _opt("--fp8-format", None, None,
+             "Run the GEMMs in FP8: e4m3 throughout, or hybrid (e4m3 forward, e5m2 "
+             "backward); needs --bf16 (default: no FP8).", choices=["e4m3", "hybrid"]),
+        _opt("--fp8-recipe", None, "delayed",
+             "FP8 scaling recipe (with --fp8-format).", choices=megatron_lm_flags.FP8_RECIPES),
+        _opt("--fp8-margin", int, 0, "Delayed scaling: margin of the scaling factor, as a power of 2."),
+        _opt("--fp8-amax-history-len", int, 1,
+             "Delayed scaling: number of steps of amax history the scaling factor is taken from."),
+        _opt("--fp8-amax-compute-algo", None, "most_recent",
+             "Delayed scaling: take the most recent amax of the history, or its maximum.",
+             choices=["most_recent", "max"]),
+        _off("--no-fp8-wgrad", "--disable-fp8-wgrad",
+             "Compute weight gradients in bf16, not FP8 (with --fp8-format).", dest="fp8_wgrad"),
+    )
+    train = (
+        _opt("--micro-batch-size", int, None, "Samples per micro-batch on each data-parallel rank (required)."),
+        _opt("--global-batch-size", int, None,
+             "Samples per optimizer step over all data-parallel ranks; a multiple of "
+             "--micro-batch-size x data-parallel size, reached by gradient accumulation "
+             "(default: --micro-batch-size x data-parallel size)."),
+        _opt("--train-iters", int, None, "Number of training iterations (optimizer steps; required)."),
+        _opt("--lr", float, None, "Peak learning rate, reached after the warmup (required)."),
+        _opt("--min-lr", float, 0.0, "Learning rate the decay ends at."),
+        _opt("--lr-decay-style", None, "linear",
+             "Learning rate decay after the warmup.", choices=megatron_lm_flags.LR_DECAY_STYLES),
+        _opt("--lr-warmup-iters", int, 0, "Iterations of linear learning rate warmup from 0 to --lr."),
+        _opt("--lr-warmup-fraction", float, None,
+             "Warmup as a fraction of --lr-decay-iters, instead of --lr-warmup-iters."),
+        _opt("--lr-decay-iters", int, None,
+             "Iterations the learning rate decays over, warmup included (default: --train-iters)."),
+        _opt("--weight-decay", float, 0.01, "Weight decay coefficient."),
+        _opt("--clip-grad", float, 1.0, "Clip the gradients to this global L2 norm."),
+        _opt("--adam-beta1", float, 0.9, "Adam's decay rate of the first moment (gradient mean)."),
+        _opt("--adam-beta2", float, 0.999, "Adam's decay rate of the second moment (squared gradient mean)."),
+        _opt("--adam-eps", float, 1e-8, "Term added to Adam's denominator for numerical stability."),
+        _opt("--seed", int, 1234, "Random seed of the weight initialization, dropout and the data order."),
+        _on("--use-distributed-optimizer", "Shard the optimizer states across the data-parallel ranks."),
+        _on("--overlap-grad-reduce", "Overlap the data-parallel gradient reduction with the backward pass."),
+        _off("--no-gradient-accumulation-fusion",
+             "Have DDP add each micro-batch's weight gradients to the fp32 main grads instead of the "
+             "weight-gradient GEMMs (Megatron-LM's flag; by default they add into them, no APEX needed).",
+             dest="gradient_accumulation_fusion"),
+        _off("--no-check-for-nan-in-loss-and-grad",
+             "Do not stop the run on a NaN or Inf loss or gradient (Megatron-LM's flag; by default "
+             "each micro-batch's loss and the reduced gradients are checked).", dest="check_for_nan_in_loss_and_grad"),
+        _on("--deterministic-mode", "Use deterministic kernels only, so that runs and resumed runs reproduce exactly."),
+    )
+    data = (
+        _on("--mock-data", "Train on synthetic data (also what happens without --data-path)."),
+        _opt("--data-path", None, None,
+             "Megatron indexed dataset prefixes: 'prefix ...' or 'weight prefix weight prefix ...' "
+             "to blend several (default: synthetic data).", nargs="*"),
+        _opt("--split", None, None,
+             "Comma-separated weights of the train, validation and test splits of --data-path "
+             "(default there: Megatron-LM's legacy 969, 30, 1, with a warning)."),
+        _opt("--data-cache-path", None, None,
+             "Directory for the dataset index caches (default: beside the dataset files)."),
+    )
+    log = (
+        _opt("--log-interval", int, 100, "Print the loss, learning rate and timing every this many iterations."),
+        _opt("--tensorboard-dir", None, None,
+             "Write the logged metrics (loss, learning rate, grad norm, iteration time, "
+             "throughput, memory) as TensorBoard scalars into this directory; needs the "
+             "tensorboard package (default: no TensorBoard)."),
+        _opt("--timing-log-level", int, 0,
+             "1: also time the forward-backward and optimizer phases of each iteration "
+             "(adds a GPU sync between them).", choices=megatron_lm_flags.TIMING_LOG_LEVELS),
+        _on("--log-num-zeros-in-grad",
+            "Count the zero entries of the gradients (the optimizer's main grads, before "
+            "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
+            "scalar num-zeros (adds a GPU sync)."),
+        _opt("--save", None, None,
+             "Directory to save checkpoints to; one is always saved at the end "
+             "(default: no checkpoints)."),
+        _opt("--load", None, None, "Checkpoint directory to resume from (default: train from scratch)."),
+        _on("--no-load-optim",
+            "With --load: load the model weights and the iteration only; the optimizer "
+            "states and the learning-rate schedule start afresh, and the fp32 main params are "
+            "copied from the loaded weights.", default=None),
+        _on("--load-main-params-from-ckpt",
+            "With --no-load-optim: take the fp32 main params from the checkpoint's model "
+            "tensors (megatron-core's reload_model_params(state_dict)) rather than from the "
+            "model's bf16 params; needs --load, --bf16 and --use-distributed-optimizer."),
+        _opt("--save-interval", "--persistent-save-interval", int, None,
+             "Save a checkpoint every this many iterations; needs --save "
+             "(default: only at the end)."),
+        _on("--dist-ckpt-optim-fully-reshardable",
+            "Save distributed-optimizer states per parameter (loads across DP/EP sizes "
+            "and expert layouts) instead of per-DP-rank buffers."),
+        _on("--use-checkpoint-args",
+            "Take the model-defining args and the MoE patch flags from the --load checkpoint."),
+        _on("--exit-on-missing-checkpoint",
+            "With --load: stop (exit status 2) when there is no checkpoint to load, "
+            "instead of warning and training from scratch."),
+        _opt("--yaml-cfg", None, None,
+             "Recipe file or built-in recipe name whose values become the defaults (flags on "
+             "the command line win): flat 'flag: value' or Megatron's nested form."),
+    )
+    return (("model", model), ("activation recomputation", recompute), ("mixture of experts", moe),
+            ("parallelism", parallel), ("CUDA graphs", graphs), ("precision", precision), ("training", train),
+            ("data", data), ("logging and checkpoints", log))
 
-    recompute = parser.add_argument_group("activation recomputation")
-    recompute.add_argument("--recompute-activations", action="store_true",
-                           help="Recompute the attention core in the backward pass (--recompute-granularity "
-                           "selective).")
-    recompute.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                           help="Recompute whole layers (full) or chosen parts (selective, --recompute-modules) in "
-                           "the backward pass instead of keeping their activations (default: keep them).")
-    recompute.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                           help="Full recomputation: of --recompute-num-layers layers per chunk (uniform), or of "
-                           "the first --recompute-num-layers layers of each pipeline stage (block).")
-    recompute.add_argument("--recompute-num-layers", type=int, default=None,
-                           help="Layers recomputed per chunk or stage (--recompute-method).")
-    recompute.add_argument("--recompute-modules", nargs="+", default=None,
-                           help="Parts recomputed with --recompute-granularity selective (megatron-core's names: "
-                           "core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts; default: "
-                           "core_attn).")
-    recompute.add_argument("--distribute-saved-activations", action="store_true",
-                           help="Split the checkpointed activations across the tensor-parallel ranks "
-                           "(full recomputation, TP > 1).")
 
-    moe = parser.add_argument_group("mixture of experts")
-    moe.add_argument("--num-experts", type=int, default=None,
-                     help="Number of experts in each MoE layer (default: a dense model, no experts).")
-    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None,
-                     help="Hidden size of each expert's MLP (default: --ffn-hidden-size).")
-    moe.add_argument("--moe-router-topk", type=int, default=2, help="Number of experts each token is routed to.")
-    moe.add_argument("--moe-grouped-gemm", action="store_true",
-                     help="Compute a rank's experts with grouped GEMMs instead of one GEMM per expert.")
-    moe.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather",
-                     help="How tokens are sent to their experts' ranks: all-gather, all-to-all, or the flex "
-                     "dispatcher (DeepEP or HybridEP).")
-    moe.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"], default="deepep",
-                     help="Communication backend of the flex dispatcher (--moe-token-dispatcher-type flex).")
-    moe.add_argument("--moe-router-load-balancing-type", nargs="+", choices=megatron_lm_flags.MOE_LOAD_BALANCING_TYPES,
-                     default="aux_loss",
-                     help="Router load balancing: auxiliary loss per micro-batch, per sequence or over the global "
-                     "batch, Sinkhorn, or none; several types combine, each with its --moe-aux-loss-coeff.")
-    moe.add_argument("--moe-aux-loss-coeff", nargs="+", type=float, default=0.0,
-                     help="Scaling coefficient of the load-balancing auxiliary loss (one per "
-                     "--moe-router-load-balancing-type).")
-    moe.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                     help="Scaling coefficient of the router's z-loss (default: no z-loss).")
-    moe.add_argument("--moe-input-jitter-eps", type=float, default=None,
-                     help="Multiply the router input by uniform noise in [1 - eps, 1 + eps] (default: none).")
-    moe.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax",
-                     help="Router score function.")
-    moe.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                     help="Scale the top-k routing probabilities by this factor (default: 1).")
-    moe.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
-                     help="Compute the routing in this precision (default: the model's).")
-    moe.add_argument("--moe-router-enable-expert-bias", action="store_true",
-                     help="Auxiliary-loss-free load balancing: a per-expert bias added to the routing scores, "
-                     "updated after each step (needs --moe-router-score-function sigmoid).")
-    moe.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
-                     help="Update rate of the expert bias (--moe-router-enable-expert-bias).")
-    moe.add_argument("--moe-router-num-groups", type=int, default=None,
-                     help="Group-limited routing: the number of expert groups (default: no groups).")
-    moe.add_argument("--moe-router-group-topk", type=int, default=None,
-                     help="Group-limited routing: the number of groups each token may be routed to.")
-    moe.add_argument("--moe-router-force-load-balancing", action="store_true",
-                     help="Route the tokens evenly to the experts, ignoring the router (for benchmarks).")
-    moe.add_argument("--moe-router-fusion", action="store_true",
-                     help="Compute the top-k routing with Transformer Engine's fused kernels.")
-    moe.add_argument("--moe-expert-capacity-factor", type=float, default=None,
-                     help="Expert capacity as a multiple of the even share of tokens; tokens beyond it are "
-                     "dropped (default: dropless).")
-    moe.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
-                     help="Pad each expert's input to its capacity (with --moe-expert-capacity-factor).")
-    moe.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
-                     help="Which tokens are dropped beyond capacity: those of lowest probability, or the last.")
-    moe.add_argument("--moe-apply-probs-on-input", action="store_true",
-                     help="Multiply the routing probabilities into the expert input instead of its output "
-                     "(top-1 routing).")
-    moe.add_argument("--moe-layer-recompute", action="store_true",
-                     help="Recompute each MoE layer in the backward pass instead of keeping its activations.")
-    moe.add_argument("--moe-permute-fusion", action="store_true",
-                     help="Use Transformer Engine's fused kernels to permute and unpermute the tokens.")
-    moe.add_argument("--moe-router-pre-softmax", action="store_true",
-                     help="Take the softmax over all router logits before the top-k selection "
-                     "(without it: over the top-k logits after it).")
-    moe.add_argument("--moe-router-padding-for-quantization", action="store_true",
-                     help="Pad each expert's token count to the alignment the FP8 GEMMs need "
-                     "(needs --fp8-format).")
-    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                     help="Total hidden size of the shared experts, which process every token "
-                     "(default: no shared experts).")
-    moe.add_argument("--moe-shared-expert-gate", action="store_true",
-                     help="Scale the shared experts' output by a learned sigmoid gate.")
-    moe.add_argument("--moe-shared-expert-overlap", action="store_true",
-                     help="Compute the shared experts while the routed tokens are exchanged (alltoall or flex).")
-    moe.add_argument("--moe-deepep-num-sms", type=int, default=20,
-                     help="SMs DeepEP's kernels may use (--moe-flex-dispatcher-backend deepep).")
-    moe.add_argument("--moe-hybridep-num-sms", type=int, default=16,
-                     help="SMs HybridEP's kernels may use (--moe-flex-dispatcher-backend hybridep).")
-
-    parallel = parser.add_argument_group("parallelism")
-    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                          help="Tensor model parallel size: ranks each layer's weights are split across.")
-    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                          help="Pipeline model parallel size: stages the layers are split into.")
-    parallel.add_argument("--expert-model-parallel-size", type=int, default=1,
-                          help="Expert model parallel size: ranks the experts are distributed across.")
-    parallel.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                          help="Tensor parallel size inside each expert (default: --tensor-model-parallel-size).")
-    parallel.add_argument("--sequence-parallel", action="store_true",
-                          help="Split the work outside the tensor-parallel layers (norms, dropout) along the "
-                          "sequence across the tensor-parallel ranks.")
-    parallel.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
-                          help="Hide the expert-parallel all-to-all behind the computation of another "
-                          "micro-batch (megatron-core's combined 1F1B schedule); needs "
-                          "--expert-model-parallel-size > 1, --moe-token-dispatcher-type alltoall or flex, "
-                          "--bf16 and --pipeline-model-parallel-size 1.")
-    parallel.add_argument("--delay-wgrad-compute", action="store_true",
-                          help="Compute the weight gradients apart from the input gradients, so that they "
-                          "overlap the all-to-all too; needs --overlap-moe-expert-parallel-comm and "
-                          "--transformer-impl transformer_engine.")
-
-    graphs = parser.add_argument_group("CUDA graphs")
-    graphs.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], default="none",
-                        help="Capture parts of each layer as CUDA graphs. With --cuda-graph-scope moe and "
-                        "dropless MoE this driver captures each MoE layer's forward and backward itself "
-                        "(F11: needs --moe-device-tokens-per-expert, EP 1, alltoall or allgather).")
-    graphs.add_argument("--cuda-graph-scope", nargs="+", default=[],
-                        help="What to capture: moe (the whole MoE layer), or megatron-core's attn, mlp, "
-                        "moe_router, moe_preprocess (default: the whole layer).")
-    graphs.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
-                        help="Training steps run eagerly before the capture.")
-
-    precision = parser.add_argument_group("precision")
-    precision.add_argument("--bf16", action="store_true", help="Train in bfloat16 mixed precision.")
-    precision.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
-                           help="Run the GEMMs in FP8: e4m3 throughout, or hybrid (e4m3 forward, e5m2 "
-                           "backward); needs --bf16 (default: no FP8).")
-    precision.add_argument("--fp8-recipe", choices=megatron_lm_flags.FP8_RECIPES, default="delayed",
-                           help="FP8 scaling recipe (with --fp8-format).")
-    precision.add_argument("--fp8-margin", type=int, default=0,
-                           help="Delayed scaling: margin of the scaling factor, as a power of 2.")
-    precision.add_argument("--fp8-amax-history-len", type=int, default=1,
-                           help="Delayed scaling: number of steps of amax history the scaling factor is taken from.")
-    precision.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent",
-                           help="Delayed scaling: take the most recent amax of the history, or its maximum.")
-    precision.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", dest="fp8_wgrad", action="store_false",
-                           help="Compute weight gradients in bf16, not FP8 (with --fp8-format).")
-
-    train = parser.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=None,
-                       help="Samples per micro-batch on each data-parallel rank (required).")
-    train.add_argument("--global-batch-size", type=int, default=None,
-                       help="Samples per optimizer step over all data-parallel ranks; a multiple of "
-                       "--micro-batch-size x data-parallel size, reached by gradient accumulation "
-                       "(default: --micro-batch-size x data-parallel size).")
-    train.add_argument("--train-iters", type=int, default=None,
-                       help="Number of training iterations (optimizer steps; required).")
-    train.add_argument("--lr", type=float, default=None,
-                       help="Peak learning rate, reached after the warmup (required).")
-    train.add_argument("--min-lr", type=float, default=0.0, help="Learning rate the decay ends at.")
-    train.add_argument("--lr-decay-style", choices=megatron_lm_flags.LR_DECAY_STYLES, default="linear",
-                       help="Learning rate decay after the warmup.")
-    train.add_argument("--lr-warmup-iters", type=int, default=0,
-                       help="Iterations of linear learning rate warmup from 0 to --lr.")
-    train.add_argument("--lr-warmup-fraction", type=float, default=None,
-                       help="Warmup as a fraction of --lr-decay-iters, instead of --lr-warmup-iters.")
-    train.add_argument("--lr-decay-iters", type=int, default=None,
-                       help="Iterations the learning rate decays over, warmup included (default: --train-iters).")
-    train.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay coefficient.")
-    train.add_argument("--clip-grad", type=float, default=1.0,
-                       help="Clip the gradients to this global L2 norm.")
-    train.add_argument("--adam-beta1", type=float, default=0.9,
-                       help="Adam's decay rate of the first moment (gradient mean).")
-    train.add_argument("--adam-beta2", type=float, default=0.999,
-                       help="Adam's decay rate of the second moment (squared gradient mean).")
-    train.add_argument("--adam-eps", type=float, default=1e-8,
-                       help="Term added to Adam's denominator for numerical stability.")
-    train.add_argument("--seed", type=int, default=1234,
-                       help="Random seed of the weight initialization, dropout and the data order.")
-    train.add_argument("--use-distributed-optimizer", action="store_true",
-                       help="Shard the optimizer states across the data-parallel ranks.")
-    train.add_argument("--overlap-grad-reduce", action="store_true",
-                       help="Overlap the data-parallel gradient reduction with the backward pass.")
-    train.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
-                       help="Have DDP add each micro-batch's weight gradients to the fp32 main grads instead of the "
-                       "weight-gradient GEMMs (Megatron-LM's flag; by default they add into them, no APEX needed).")
-    train.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                       dest="check_for_nan_in_loss_and_grad",
-                       help="Do not stop the run on a NaN or Inf loss or gradient (Megatron-LM's flag; by default "
-                       "each micro-batch's loss and the reduced gradients are checked).")
-    train.add_argument("--deterministic-mode", action="store_true",
-                       help="Use deterministic kernels only, so that runs and resumed runs reproduce exactly.")
-
-    data = parser.add_argument_group("data")
-    data.add_argument("--mock-data", action="store_true",
-                      help="Train on synthetic data (also what happens without --data-path).")
-    data.add_argument("--data-path", nargs="*", default=None,
-                      help="Megatron indexed dataset prefixes: 'prefix ...' or 'weight prefix weight prefix ...' "
-                      "to blend several (default: synthetic data).")
-    data.add_argument("--split", default=None,
-                      help="Comma-separated weights of the train, validation and test splits of --data-path "
-                      "(default there: Megatron-LM's legacy 969, 30, 1, with a warning).")
-    data.add_argument("--data-cache-path", default=None,
-                      help="Directory for the dataset index caches (default: beside the dataset files).")
-
-    log = parser.add_argument_group("logging and checkpoints")
-    log.add_argument("--log-interval", type=int, default=100,
-                     help="Print the loss, learning rate and timing every this many iterations.")
-    log.add_argument("--tensorboard-dir", default=None,
-                     help="Write the logged metrics (loss, learning rate, grad norm, iteration time, "
-                     "throughput, memory) as TensorBoard scalars into this directory; needs the "
-                     "tensorboard package (default: no TensorBoard).")
-    log.add_argument("--timing-log-level", type=int, choices=megatron_lm_flags.TIMING_LOG_LEVELS, default=0,
-                     help="1: also time the forward-backward and optimizer phases of each iteration "
-                     "(adds a GPU sync between them).")
-    log.add_argument("--log-num-zeros-in-grad", action="store_true",
-                     help="Count the zero entries of the gradients (the optimizer's main grads, before "
-                     "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
-                     "scalar num-zeros (adds a GPU sync).")
-    log.add_argument("--save", default=None,
-                     help="Directory to save checkpoints to; one is always saved at the end "
-                     "(default: no checkpoints).")
-    log.add_argument("--load", default=None,
-                     help="Checkpoint directory to resume from (default: train from scratch).")
-    log.add_argument("--no-load-optim", action="store_true", default=None,
-                     help="With --load: load the model weights and the iteration only; the optimizer "
-                     "states and the learning-rate schedule start afresh, and the fp32 main params are "
-                     "copied from the loaded weights.")
-    log.add_argument("--load-main-params-from-ckpt", action="store_true",
-                     help="With --no-load-optim: take the fp32 main params from the checkpoint's model "
-                     "tensors (megatron-core's reload_model_params(state_dict)) rather than from the "
-                     "model's bf16 params; needs --load, --bf16 and --use-distributed-optimizer.")
-    log.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
-                     help="Save a checkpoint every this many iterations; needs --save "
-                     "(default: only at the end).")
-    log.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                     help="Save distributed-optimizer states per parameter (loads across DP/EP sizes "
-                     "and expert layouts) instead of per-DP-rank buffers.")
-    log.add_argument("--use-checkpoint-args", action="store_true",
-                     help="Take the model-defining args and the MoE patch flags from the --load checkpoint.")
-    log.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                     help="With --load: stop (exit status 2) when there is no checkpoint to load, "
-                     "instead of warning and training from scratch.")
-    log.add_argument("--yaml-cfg", default=None,
-                     help="Recipe file or built-in recipe name whose values become the defaults (flags on "
-                     "the command line win): flat 'flag: value' or Megatron's nested form.")
+def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> None:
+    for title, rows in _standard_flags(names):
+        group = parser.add_argument_group(title)
+        for option_strings, kwargs in rows:
+            group.add_argument(*option_strings, **kwargs)
 
 
 class DriverHelpFormatter(argparse.HelpFormatter):
