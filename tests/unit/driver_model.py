@@ -14,8 +14,10 @@ REQUIRED = MODEL + RUN
 
 def indexed_dataset(folder, name="data"):
     """An (empty) Megatron indexed dataset's files, ``name``.bin and ``name``.idx in ``folder``:
-    what --data-path checks before start-up. Returns the prefix."""
+    what --data-path checks before start-up (the index's header: magic, version 1, int32
+    tokens, no sequences or documents). Returns the prefix."""
     prefix = folder / name
-    for ending in (".bin", ".idx"):
-        prefix.with_name(name + ending).touch()
+    prefix.with_name(name + ".bin").touch()
+    header = b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([4]) + (0).to_bytes(8, "little") * 2
+    prefix.with_name(name + ".idx").write_bytes(header)
     return str(prefix)

@@ -271,3 +271,36 @@ def test_long_recipe_value_is_echoed_shortened(tmp_path, refused):
     recipe.write_text(f"num-layers: {LONG}\n")
     line = refused([*REQUIRED, "--yaml-cfg", str(recipe)])
     assert SHORTENED in line and len(line) < 600
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "is not a megatron-core dataset index"),
+    (b"garbage that is no index at all", "is not a megatron-core dataset index"),
+    (b"MMIDIDX\x00\x00\x01", "ends inside its header"),
+    (b"MMIDIDX\x00\x00" + (2).to_bytes(8, "little") + bytes([4]), "has index format version 2 and dtype code 4"),
+    (b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([9]), "has index format version 1 and dtype code 9"),
+])
+def test_a_garbage_dataset_index_is_refused_before_start_up(tmp_path, refused, content, says):
+    """Not at the dataset build after start-up: the .idx's header is read (18 bytes)."""
+    prefix = indexed_dataset(tmp_path)
+    open(prefix + ".idx", "wb").write(content)
+    line = refused([*REQUIRED, *SPLIT, "--data-path", prefix])
+    assert line.startswith(f"--data-path {prefix}: {prefix}.idx {says}") and "preprocess_data.py" in line
+
+
+def test_the_index_header_is_megatron_cores(tmp_path):
+    """The magic the check reads is the one megatron-core writes, and an index megatron-core
+    writes passes."""
+    import numpy
+    import torch
+    from megatron.core.datasets import indexed_dataset as mcore_indexed
+
+    from megatron.moe_patches.driver import arguments
+
+    assert arguments.INDEX_MAGIC == mcore_indexed._INDEX_HEADER
+    prefix = str(tmp_path / "written")
+    builder = mcore_indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    builder.add_item(torch.tensor([1, 2, 3]))
+    builder.end_document()
+    builder.finalize(prefix + ".idx")
+    assert arguments._index_header_problem(prefix + ".idx") is None

@@ -1219,6 +1219,33 @@ def _check_data_path(args: argparse.Namespace) -> None:
                 f"--data-path {shown(prefix)}: no indexed dataset there ({', '.join(map(shown, missing))} not "
                 "found); give each dataset's path without .bin/.idx, or leave --data-path out for mock data"
             )
+        problem = _index_header_problem(prefix + ".idx")
+        if problem:
+            raise ValueError(f"--data-path {shown(prefix)}: {shown(prefix + '.idx')} {problem}; rebuild the dataset "
+                             "with Megatron-LM's tools/preprocess_data.py, or point --data-path at another one")
+
+
+# megatron-core's indexed-dataset index opens with this magic, then format version 1 (uint64,
+# little-endian) and the tokens' dtype code (one byte, 1-8).
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+
+
+def _index_header_problem(path: str) -> Optional[str]:
+    """Why ``path`` is no megatron-core dataset index (its first 18 bytes read), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(INDEX_MAGIC) + 9)
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    if not head.startswith(INDEX_MAGIC):
+        return "is not a megatron-core dataset index (its first bytes are not the index header)"
+    if len(head) < len(INDEX_MAGIC) + 9:
+        return "ends inside its header"
+    version = int.from_bytes(head[len(INDEX_MAGIC):len(INDEX_MAGIC) + 8], "little")
+    dtype_code = head[-1]
+    if version != 1 or not 1 <= dtype_code <= 8:
+        return f"has index format version {version} and dtype code {dtype_code} (megatron-core reads version 1, codes 1-8)"
+    return None
 
 
 # Directories the run writes into (made when it first writes).
