@@ -29,6 +29,8 @@ What it does, and why there:
   ``megatron.training`` binds them: once Megatron-LM's own checks pass, the config is built
   from the args as Megatron-LM builds it, and a refused value ends the run with one
   ``error:`` line naming it (exit status 2, as argparse), not a traceback after start-up.
+  Megatron-LM's rule that local CUDA graphs at EP > 1 need an inference-only flag is left to
+  the patch set's own rule for its MoE graphs (``_training_graphs_at_ep``).
 - Batches without host waits at TP 1: Megatron-LM's ``get_batch_on_this_tp_rank`` broadcasts
   each micro-batch within the tensor-parallel group and makes a device tensor from a host
   int on the way (the host waits for the GPU twice per micro-batch), even when the group is
@@ -40,6 +42,7 @@ imports nothing of Megatron-LM.
 """
 
 import argparse
+import contextlib
 import functools
 import importlib
 import os
@@ -185,11 +188,36 @@ def _restoring_patch_args(load_args_from_checkpoint: Callable) -> Callable:
 def _checking_the_config(validate: Callable) -> Callable:
     @functools.wraps(validate)
     def validate_and_check_the_config(args, *rest, **kwargs):
-        result = validate(args, *rest, **kwargs)
+        with _training_graphs_at_ep(args):
+            result = validate(args, *rest, **kwargs)
         check_config_before_start(result if isinstance(result, argparse.Namespace) else args)
         return result
 
     return validate_and_check_the_config
+
+
+@contextlib.contextmanager
+def _training_graphs_at_ep(args: argparse.Namespace):
+    """Megatron-LM asserts --moe-pad-experts-for-cuda-graph-inference for local CUDA graphs at
+    EP > 1: a flag of inference's text generation (its routers sync with the host) that
+    training never reads. The patch set's dropless MoE graphs (scope ``moe``) are judged by its
+    own rule once Megatron-LM's checks pass (``plan.graphs.graph_blocker``: sync-free counts,
+    the symmetric exchange), so Megatron-LM's check sees the flag set and the user's value comes
+    back after it."""
+    from megatron.moe_patches.plan.graphs import scope_names
+
+    lifted = (getattr(args, "cuda_graph_impl", "none") == "local"
+              and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1
+              and getattr(args, "num_experts", None)
+              and "moe" in scope_names(getattr(args, "cuda_graph_scope", None))
+              and not getattr(args, "moe_pad_experts_for_cuda_graph_inference", False))
+    if lifted:
+        args.moe_pad_experts_for_cuda_graph_inference = True
+    try:
+        yield
+    finally:
+        if lifted:
+            args.moe_pad_experts_for_cuda_graph_inference = False
 
 
 def check_config_before_start(args: argparse.Namespace) -> None:

@@ -54,12 +54,12 @@ def graphs(impl):
 NO_FUSION = "--no-gradient-accumulation-fusion"
 
 
-def megatron_lm(*flags, iters=8, expect_failure=False, stock=False, fusion=False):
+def megatron_lm(*flags, iters=8, expect_failure=False, stock=False, fusion=False, gpus=1):
     """One torchrun of Megatron-LM's pretrain_gpt.py (edited as README says, or as shipped with
-    ``stock``); (losses by iteration, output). ``fusion``: Megatron-LM's default
+    ``stock``) on ``gpus`` ranks; (losses by iteration, output). ``fusion``: Megatron-LM's default
     gradient-accumulation fusion (F13), which the other runs turn off."""
     base = [flag for flag in TINY if flag != NO_FUSION] if fusion else TINY
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-port", str(_port()),
            "-m", "megatron.moe_patches.testing.megatron_lm_pretrain", *base, "--train-iters", str(iters), *flags]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")
     env.setdefault("NCCL_ALGO", "Ring")  # --deterministic-mode asks for a fixed NCCL algorithm
@@ -119,6 +119,27 @@ def test_blockwise_fp8_trains_on_the_fast_path_and_tracks_bf16(wgrad):
     assert sorted(eager) == sorted(bf16)
     for step in bf16:
         assert float(eager[step]) == pytest.approx(float(bf16[step]), rel=0.05)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_expert_exchange_trains_graphed_at_ep_and_tracks_ep1(ep):
+    """--moe-symmetric-exchange (F12) at EP 2 / 4 in Megatron-LM's loop, the MoE layers graphed
+    (F11): every layer is captured, the replays equal the eager run, and the losses follow the
+    EP 1 run of the same data-parallel job (other reduction order: within 2 %)."""
+    import torch
+
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"EP={ep} needs {ep} GPUs")
+    exchange = [*FAST, "--moe-symmetric-exchange", "--expert-model-parallel-size", str(ep)]
+    ep1, _ = megatron_lm(*FAST, gpus=ep)
+    eager, output = megatron_lm(*exchange, gpus=ep)
+    graphed, output = megatron_lm(*exchange, *graphs("local"), gpus=ep)
+    print(f"EP {ep}: captured {captured_layers(output)}; EP 1 {ep1}; eager {eager}; graphed {graphed}")
+    assert set(captured_layers(output)) == {LAYERS}  # every rank prints its count
+    assert graphed == eager
+    assert sorted(eager) == sorted(ep1)
+    for step in ep1:
+        assert float(eager[step]) == pytest.approx(float(ep1[step]), rel=0.02)
 
 
 def test_the_series_at_its_defaults_trains_as_stock_megatron_lm():

@@ -103,6 +103,9 @@ FAKE_MODULES = {
 
         def validate_args(args, defaults={}):
             VALIDATED.append(args)
+            # Megatron-LM core_v0.16.1's rule, written for inference's routers
+            if getattr(args, "cuda_graph_impl", "none") == "local" and getattr(args, "expert_model_parallel_size", 1) > 1:
+                assert args.moe_pad_experts_for_cuda_graph_inference, "--moe-pad-experts-for-cuda-graph-inference must be set"
             return args
 
         def core_transformer_config_from_args(args, config_class=None):
@@ -238,6 +241,30 @@ def test_megatron_lm_validating_its_args_checks_the_patch_config_before_start_up
     megatron_lm.disable()
     assert fake_training.initialize.validate_args is fake_training.arguments.validate_args is stock
     fake_training.initialize.initialize_megatron(bad)  # unwrapped: nothing checked here any more
+
+
+@pytest.mark.parametrize("scope", [["moe"], ["attn"], []])
+def test_moe_graphs_at_ep_pass_megatron_lms_inference_padding_rule(fake_training, monkeypatch, scope):
+    """Megatron-LM asserts an inference-only flag for local graphs at EP > 1; for the patch
+    set's MoE graphs (scope moe) its own rule judges the config instead, and the user's value
+    of the flag is what the run keeps. Other scopes meet Megatron-LM's assertion as before."""
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    megatron_lm.enable()
+    monkeypatch.setattr(megatron_lm, "check_config_before_start", lambda args: None)
+    args = parsed_defaults(use_checkpoint_args=False, num_experts=8, expert_model_parallel_size=2,
+                           cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope[s] for s in scope],
+                           moe_pad_experts_for_cuda_graph_inference=False)
+    if scope != ["moe"]:
+        with pytest.raises(AssertionError, match="moe-pad-experts-for-cuda-graph-inference"):
+            fake_training.initialize.initialize_megatron(args)
+        return
+    assert fake_training.initialize.initialize_megatron(args) is args
+    assert args.moe_pad_experts_for_cuda_graph_inference is False
+    args.expert_model_parallel_size = 1
+    args.moe_pad_experts_for_cuda_graph_inference = True  # given: kept
+    fake_training.initialize.initialize_megatron(args)
+    assert args.moe_pad_experts_for_cuda_graph_inference is True
 
 
 def test_every_name_enable_rebinds_in_megatron_lm_is_in_the_registry(fake_training):
