@@ -99,6 +99,12 @@ def test_store_kernel_places_and_sums_rows_with_ranks_simulated(ep, tokens, k, c
     sum_rows(srcs[0], index_TK, out)
     _reference_push(srcs[0], index_TK, [expected], 0, tokens)
     assert torch.equal(out, expected)
+    # zero_empty: the rows no index names become zero (the owners' tail for experts that read it)
+    zeroed = torch.full((tokens, cols), 7.0, device="cuda", dtype=dtype)
+    sum_rows(srcs[0], index_TK, zeroed, zero_empty=True)
+    empty_T = (index_TK < 0).all(dim=1)
+    assert (~empty_T).any()  # k = 1 cases have empty rows too
+    assert torch.equal(zeroed[~empty_T], expected[~empty_T]) and not zeroed[empty_T].any()
 
 
 def _pretrain_losses(extra, iters, gpus=2):

@@ -72,7 +72,7 @@ def test_the_alltoall_dispatcher_gets_one_exchange(moe_config, monkeypatch, symm
                                                    expected):
     stubbed_stock_init(monkeypatch, ep, tp)
     exchange = object()
-    monkeypatch.setattr(exchanges, "SymmetricExchange", lambda group, topk: exchange)
+    monkeypatch.setattr(exchanges, "SymmetricExchange", lambda group, topk, zero_tail: exchange)
     one_source = device_counts and ep == 1 and tp == 1
     given_choice(monkeypatch, SYMMETRIC_MEMORY if symmetric else ALLTOALL, device_counts=device_counts,
                  skips_chunk_sort=one_source or symmetric)

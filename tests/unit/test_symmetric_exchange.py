@@ -55,7 +55,7 @@ def test_owners_lay_tokens_out_expert_major_as_megatron_core_sorts_them(ep, loca
                     if maps[s][t, p * local + e]]
         bound = routes[p].rows_bound
         assert bound == owner_rows_bound(ep, tokens, topk, local)
-        assert owner.slot_B.tolist() == [s * tokens + t for s, t, _ in expected] + [ep * tokens] * (bound - len(expected))
+        assert owner.slot_B1.flatten().tolist() == [s * tokens + t for s, t, _ in expected] + [-1] * (bound - len(expected))
         assert owner.probs_B.tolist() == pytest.approx(
             [float(probs[s][t, p * local + e]) for s, t, e in expected] + [0.0] * (bound - len(expected)))
         assert owner.tokens_per_local_expert.tolist() == [sum(1 for x in expected if x[2] == e) for e in range(local)]
@@ -279,24 +279,32 @@ def _stand_in_kernels(monkeypatch, sx):
                 peer, t = divmod(slot, tokens)
                 bases[peer][rank * tokens + t] = src[rows].sum(dim=0)
 
-    def sum_rows(src, index_TK, out):
+    def sum_rows(src, index_TK, out, zero_empty=False):
         for t, rows in enumerate(index_TK.tolist()):
             rows = [r for r in rows if r >= 0]
             if rows:
                 out[t] = src[rows].sum(dim=0)
+            elif zero_empty:
+                out[t] = 0
 
     monkeypatch.setattr(sx, "push_slots", push_slots)
     monkeypatch.setattr(sx, "sum_rows", sum_rows)
 
 
+@pytest.mark.parametrize("zero_tail", [True, False], ids=["zero-tail", "unwritten-tail"])
 @pytest.mark.parametrize("ep", [2, 3, 8])
-def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers(monkeypatch, ep):
+def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers(monkeypatch, ep, zero_tail):
     """The host-side protocol with ranks in threads: metadata, tokens and gradients through
     the buffers every layer shares (a barrier per exchange, as torch's signal pads pair
-    them), against the same math without any exchange. The buffers start as NaN but for the
-    owners' zero row (what an earlier exchange may have left): nothing stale reaches a
-    result, and the experts' tail rows are zero."""
+    them), against the same math without any exchange. The buffers start as NaN (what an
+    earlier exchange may have left): nothing stale reaches a result. The experts' tail rows
+    are zero with ``zero_tail``; else never written (new tensors are filled with NaN here,
+    and the results still hold)."""
     import threading
+
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # torch.empty fills NaN
 
     from megatron.moe_patches.dispatch import symmetric_exchange as sx
 
@@ -311,8 +319,6 @@ def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers
                 if key not in buffers:
                     buffers[key] = [torch.full((rows, *like.shape[1:]), float("nan"), dtype=like.dtype)
                                     for _ in range(ep)]
-                    for buffer in buffers[key]:
-                        buffer[-1] = 0  # _allocate zeroes a new buffer; the owners' last row stays so
                     barriers[key] = threading.Barrier(ep, timeout=20)
             handle = types.SimpleNamespace(barrier=lambda channel=0: barriers[key].wait())
             return sx._Peers(buffers[key][rank], buffers[key], handle)
@@ -328,7 +334,7 @@ def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers
     def run(rank):
         try:
             exchange = sx.SymmetricExchange(types.SimpleNamespace(rank=lambda: rank, size=lambda: ep,
-                                                                  group_name="ep"), topk=topk)
+                                                                  group_name="ep"), topk=topk, zero_tail=zero_tail)
             exchange._peers = peers_of(rank)
             x_TH = inputs[rank].clone().requires_grad_()
             probs_TE = probs[rank].double().requires_grad_()
@@ -338,7 +344,8 @@ def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers
                 x_BH, p_B = exchange.dispatch(routes, h, probs_TE)
                 ends = torch.cumsum(routes.owner.tokens_per_local_expert, 0)
                 used = int(ends[-1])
-                tails.append(bool(x_BH[used:].eq(0).all() and p_B[used:].eq(0).all()))
+                tails.append(bool((x_BH[used:].eq(0).all() if zero_tail else x_BH[used:].isnan().all())
+                                  and p_B[used:].eq(0).all()))
                 local_B = torch.searchsorted(ends, torch.arange(x_BH.shape[0]), right=True).clamp(max=local - 1)
                 y_BH = x_BH * (local_B + 2).to(x_BH.dtype)[:, None] * p_B[:, None]
                 h = exchange.combine(routes, y_BH)
@@ -354,6 +361,7 @@ def test_ranks_in_threads_two_layers_forward_and_backward_through_shared_buffers
         t.start()
     for t in threads:
         t.join(timeout=60)
+    torch.use_deterministic_algorithms(deterministic)
     assert not errors, errors
     assert tails and all(tails)
     for rank in range(ep):
@@ -404,6 +412,17 @@ def _exchange_config(**fields):
     for name, value in fields.items():
         setattr(config, name, value)
     return config
+
+
+@pytest.mark.parametrize("fields, zero_tail", [
+    ({}, False),  # grouped_mm: its GEMMs stop at the last offset, its GLU reads the tail as zero
+    ({"add_bias_linear": True}, True),  # the biases' gradients sum every row
+    ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, True),  # the quantization passes read every row
+], ids=["bf16", "biases", "fp8"])
+def test_the_owners_tail_is_zeroed_only_for_experts_that_read_it(hopper_node, fields, zero_tail):
+    plan = moe_plan.plan_for(_exchange_config(**fields))
+    assert plan.exchange.reason is None
+    assert plan.exchange.zero_tail is zero_tail, plan.backend.name
 
 
 @pytest.mark.parametrize("fields, reason", [
@@ -515,11 +534,13 @@ def test_the_dispatcher_skips_permute_and_chunk_sort_behind_the_exchange(hopper_
     exchange = object()
     from megatron.moe_patches.dispatch import exchanges
 
-    monkeypatch.setattr(exchanges, "SymmetricExchange", lambda group, topk: asked.append((group, topk)) or exchange)
+    monkeypatch.setattr(exchanges, "SymmetricExchange",
+                        lambda group, topk, zero_tail: asked.append((group, topk, zero_tail)) or exchange)
     from megatron.moe_patches.dispatch.permute_pad import PlainPermute, TokenRows
 
     dispatcher = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
-    assert dispatcher.exchange.symmetric is exchange and asked == [("ep-group", 8)]
+    # grouped_mm experts without biases never read the rows past their groups: left unwritten
+    assert dispatcher.exchange.symmetric is exchange and asked == [("ep-group", 8, False)]
     assert dispatcher.exchange.lands_grouped_by_local_expert and isinstance(dispatcher.permute_step, TokenRows)
     monkeypatch.setattr(plan_exchange, "symmetric_exchange_blocker", lambda c, backend, padding: "no CUDA device")
     nccl = dispatchers.PatchedAlltoAllTokenDispatcher(config=_exchange_config())
@@ -537,13 +558,13 @@ def test_routes_are_sized_from_tokens_and_topk():
 
 def test_an_owner_that_receives_more_rows_than_it_sends_keeps_them_all():
     """Rank 0 keeps 1 of its 4 tokens and receives all 4 of rank 1's: 5 expert rows before
-    the tail (which copies the zero row, slot 8)."""
+    the tail (slot -1: nothing copied there)."""
     maps = [torch.tensor([[1, 0], [0, 1], [0, 1], [0, 1]], dtype=torch.bool),
             torch.tensor([[1, 0]] * 4, dtype=torch.bool)]
     routes = [TokenRoutes(m, ep=2, topk=1) for m in maps]
     owner = routes[0].receive_metadata(_metadata_at(0, routes, [m.float() for m in maps]))
     assert owner.tokens_per_local_expert.tolist() == [5]
-    assert owner.slot_B.tolist() == [0, 4, 5, 6, 7, 8, 8, 8]
+    assert owner.slot_B1.flatten().tolist() == [0, 4, 5, 6, 7, -1, -1, -1]
     assert owner.probs_B.tolist() == [1.0] * 5 + [0.0] * 3
 
 

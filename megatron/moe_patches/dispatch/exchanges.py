@@ -188,7 +188,7 @@ def alltoall_exchange(choice, ep_group, topk: int) -> AlltoAllExchange:
     else NCCL's, F8 keeping the counts on the device (and, with one source rank and no TP,
     skipping the identity chunk sort)."""
     if choice.name == SYMMETRIC_MEMORY:
-        return SymmetricMemoryAllToAll(SymmetricExchange(ep_group, topk))
+        return SymmetricMemoryAllToAll(SymmetricExchange(ep_group, topk, zero_tail=choice.zero_tail))
     if not choice.device_counts:
         return NcclAllToAll()
     if choice.skips_chunk_sort:

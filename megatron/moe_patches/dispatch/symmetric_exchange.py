@@ -25,10 +25,12 @@ CUDA graph needs: F11 captures the layer with this exchange inside).
 
 The owners' expert rows still depend on the routing, so they have a static bound,
 ``ep x tokens x min(top-k, local experts)`` rows (every token of every rank could pick this
-rank's experts). Rows past the received ones (the "tail") are zero in every tensor this
-exchange hands the experts (tokens, probs, output gradients): the grouped GEMMs stop at the
-last offset, and the weighted GLU (``weighted_glu``) writes zeros there, so the tail never
-reaches a result.
+rank's experts). Rows past the received ones (the "tail"): probs are zero there; token rows
+and output gradients are zero only for experts that read them (``zero_tail``, the backend's
+``reads_rows_past_groups``: FP8's quantization passes, biases' gradients), else unwritten (at
+EP 4 about a quarter of a Qwen3-like bound is real). The grouped GEMMs stop at the last
+offset and the weighted GLU (``weighted_glu``) reads the tail as zero and writes zeros there,
+so the tail never reaches a result.
 
 Buffers: one symmetric buffer per (group, direction, rows, columns, dtype), shared by all
 layers (``_BUFFERS``). Each exchange is barrier -> stores into the peers' buffers -> barrier
@@ -63,12 +65,12 @@ class OwnerRows(NamedTuple):
     is token t of source rank s; L = local experts, K = min(top-k, L), B = the bound.
 
     ``rows_SK``: the expert rows slot s was copied to, ascending (local-expert order), -1
-    past its picks; ``slot_B``: the slot each expert row was copied from (``ep x tokens``, a
-    zero row, past the rows received); ``probs_B``: each row's prob (0 in the tail);
+    past its picks; ``slot_B1``: the slot each expert row was copied from (-1 past the rows
+    received); ``probs_B``: each row's prob (0 in the tail);
     ``picked_SL`` and ``rows_SL``: the picks and their rows by local expert (-1: none)."""
 
     rows_SK: torch.Tensor
-    slot_B: torch.Tensor
+    slot_B1: torch.Tensor
     probs_B: torch.Tensor
     picked_SL: torch.Tensor
     rows_SL: torch.Tensor
@@ -90,14 +92,15 @@ class OwnerRows(NamedTuple):
         rows_SK = torch.sort(torch.where(picked_SL, rows_SL, none), dim=1).values[:, :min(topk, local)]
         rows_SK = torch.where(rows_SK == none, -1, rows_SK)
         # Each expert row's slot and prob; unpicked (slot, expert) pairs land on row ``bound``,
-        # dropped. The tail keeps slot ``slots`` (the zero row) and prob 0.
+        # dropped. The tail keeps slot -1 and prob 0.
         landing = torch.where(picked_SL, rows_SL, bound).flatten()
         slot_ids = torch.arange(slots, device=picked_SL.device).view(-1, 1).expand(slots, local).flatten()
-        slot_B = torch.full((bound + 1,), slots, dtype=torch.int64, device=picked_SL.device)
+        slot_B = torch.full((bound + 1,), -1, dtype=torch.int64, device=picked_SL.device)
         slot_B.scatter_(0, landing, slot_ids)
         probs_B = torch.zeros(bound + 1, dtype=probs_SL.dtype, device=probs_SL.device)
         probs_B.scatter_(0, landing, probs_SL.flatten())
-        return cls(rows_SK.contiguous(), slot_B[:bound], probs_B[:bound], picked_SL, rows_SL, counts_L)
+        return cls(rows_SK.contiguous(), slot_B[:bound].view(bound, 1), probs_B[:bound], picked_SL, rows_SL,
+                   counts_L)
 
 
 class TokenRoutes:
@@ -151,7 +154,6 @@ def _allocate(group_name: str, shape, dtype, device) -> _Peers:
     import torch.distributed._symmetric_memory as symm_mem
 
     local = symm_mem.empty(shape, dtype=dtype, device=device)
-    local.zero_()  # the owners' last row is the zero row the tail copies; no peer writes it
     # torch's allocator (2.11 and earlier) zeroes the new block, barrier signal pad included,
     # with a memset the host does not wait for. A peer that maps the buffer and signals before
     # that memset has run loses its signal, and the barrier waiting for it never ends. The
@@ -183,9 +185,10 @@ class SymmetricExchange:
     """Tokens to the owners of their experts and back, through peer-mapped buffers (see the
     module text)."""
 
-    def __init__(self, ep_group, topk: int):
+    def __init__(self, ep_group, topk: int, zero_tail: bool = True):
         self.group = ep_group
         self.topk = topk
+        self.zero_tail = zero_tail  # write zeros past the received rows (for experts that read them)
 
     @property
     def rank(self) -> int:
@@ -211,9 +214,10 @@ class SymmetricExchange:
 
     def spread(self, routes: TokenRoutes, x_TH: torch.Tensor, meta: Optional[torch.Tensor] = None):
         """Token rows to their owners (and, given, every slot's metadata row); returns the
-        owners' expert rows [bound, H] (a new tensor, tail zero) and the received metadata."""
+        owners' expert rows [bound, H] (a new tensor; its tail zero with ``zero_tail``, else
+        unwritten) and the received metadata."""
         x_TH = x_TH.contiguous()
-        rows = self._peers("owners", self.size * routes.tokens + 1, x_TH)  # + the zero row
+        rows = self._peers("owners", self.size * routes.tokens, x_TH)
         sent = [(x_TH, routes.to_owners_X1, rows)]
         if meta is not None:
             meta_peers = self._peers("owners-meta", meta.shape[0], meta)
@@ -221,7 +225,9 @@ class SymmetricExchange:
         self._stores(routes, sent)
         received = meta_peers.local.detach() if meta is not None else None  # read before the next exchange
         owner = routes.owner if meta is None else routes.receive_metadata(received)
-        return rows.local.index_select(0, owner.slot_B), owner
+        x_BH = x_TH.new_empty(routes.rows_bound, *x_TH.shape[1:])
+        sum_rows(rows.local, owner.slot_B1, x_BH, zero_empty=self.zero_tail)
+        return x_BH, owner
 
     def gather(self, routes: TokenRoutes, y_BH: torch.Tensor, meta: Optional[torch.Tensor] = None):
         """Each slot's expert rows summed, back to the slot's source, then each token's rows
@@ -315,13 +321,16 @@ def push_slots(src_RC: torch.Tensor, index_XK: torch.Tensor, bases_P: torch.Tens
     _push(src_RC, index_XK, bases_P, None, rank, ep, tokens, rows_per_program, num_warps, programs)
 
 
-def sum_rows(src_RC: torch.Tensor, index_TK: torch.Tensor, out_TC: torch.Tensor) -> None:
+def sum_rows(src_RC: torch.Tensor, index_TK: torch.Tensor, out_TC: torch.Tensor, zero_empty: bool = False) -> None:
     """``out_TC[t]`` = the sum (fp32, in k order, cast back) of the rows ``index_TK[t, k]`` >= 0
-    of ``src_RC``; rows of ``out_TC`` with no index >= 0 are left as they are."""
-    _push(src_RC, index_TK, None, out_TC, 0, 1, out_TC.shape[0], PUSH_ROWS_PER_PROGRAM, PUSH_WARPS, None)
+    of ``src_RC``; rows of ``out_TC`` with no index >= 0 are zeroed with ``zero_empty``, else
+    left as they are."""
+    _push(src_RC, index_TK, None, out_TC, 0, 1, out_TC.shape[0], PUSH_ROWS_PER_PROGRAM, PUSH_WARPS, None,
+          zero_empty)
 
 
-def _push(src_RC, index_XK, bases_P, out_TC, rank, ep, tokens, rows_per_program, num_warps, programs):
+def _push(src_RC, index_XK, bases_P, out_TC, rank, ep, tokens, rows_per_program, num_warps, programs,
+          zero_empty=False):
     cols = src_RC[0].numel() if src_RC.shape[0] else 0
     if not tokens or not cols:
         return
@@ -334,7 +343,7 @@ def _push(src_RC, index_XK, bases_P, out_TC, rank, ep, tokens, rows_per_program,
     _triton_kernels()[0][(min(tiles, programs or tiles),)](
         src_RC, index_XK, bases_P if not local else index_XK, out_TC if local else src_RC,
         rank, ep, tokens, cols, row_bytes, K=index_XK.shape[1], LOCAL=local, ALIGNED=row_bytes % 16 == 0,
-        ROWS=tile_rows, BLOCK=block, num_warps=num_warps if tile_rows * block >= 1024 else 1)
+        ZERO_EMPTY=zero_empty, ROWS=tile_rows, BLOCK=block, num_warps=num_warps if tile_rows * block >= 1024 else 1)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -348,8 +357,8 @@ def _triton_kernels():
 
     @triton.jit
     def push_slots_kernel(src_ptr, index_ptr, bases_ptr, out_ptr, rank, ep, tokens, cols, row_bytes,
-                          K: tl.constexpr, LOCAL: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          K: tl.constexpr, LOCAL: tl.constexpr, ALIGNED: tl.constexpr, ZERO_EMPTY: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
         # Tiles in peer order (rank + 1 first, this rank last), taken from both ends in turn:
         # the stores into this rank's own buffer run beside the NVLink ones, not after them.
         tiles_per_peer = tl.cdiv(tokens, ROWS)
@@ -381,6 +390,8 @@ def _triton_kernels():
                                      mask=valid_R[:, None] & in_col[None, :], other=0.0)
                     acc += values.to(tl.float32)
                     sent_R = tl.maximum(sent_R, valid_R.to(tl.int32))
+                if ZERO_EMPTY:
+                    sent_R = tl.where(inside_R, 1, sent_R)
                 tl.store(out_R[:, None] + col[None, :], acc.to(src_ptr.dtype.element_ty),
                          mask=(sent_R > 0)[:, None] & in_col[None, :])
 

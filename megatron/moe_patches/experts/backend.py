@@ -113,6 +113,12 @@ class ExpertBackend:
         return cls.alignment
 
     @classmethod
+    def reads_rows_past_groups(cls, config) -> bool:
+        """Whether its results read the rows past the last expert's: F12 hands the experts a
+        static bound of rows and writes zeros there only for backends that read them."""
+        return True
+
+    @classmethod
     def aligned_groups(cls, config) -> Tuple[Optional[int], Optional[str]]:
         """(rows, kernels): where a backend that takes any rows (``alignment`` 1) has faster
         kernels for groups each starting on a multiple of ``rows``, which the dispatcher pads

@@ -418,6 +418,10 @@ class FP8GroupedMMBackend(GroupedMMBackend):
     wgrad_into_main_grad = False  # its weight gradients come back from its own autograd functions
 
     @classmethod
+    def reads_rows_past_groups(cls, config) -> bool:
+        return True  # the quantization passes and their amaxes run over every row
+
+    @classmethod
     def unavailable(cls, config) -> Optional[str]:
         if not hasattr(torch, "_scaled_grouped_mm"):
             return f"torch {torch.__version__} has no torch._scaled_grouped_mm"

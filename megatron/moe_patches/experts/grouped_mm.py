@@ -241,6 +241,12 @@ class GroupedMMBackend(ExpertBackend):
     glu_quantized_rows = False  # whether the GLU writes 1x128 FP8 rows for the GEMMs around it
 
     @classmethod
+    def reads_rows_past_groups(cls, config) -> bool:
+        # The GEMMs stop at the last offset and the weighted GLU reads rows past it as zero;
+        # the biases' gradients sum every row (the tail counts as the last expert's).
+        return bool(config.add_bias_linear)
+
+    @classmethod
     def unavailable(cls, config) -> Optional[str]:
         if not hasattr(torch, "_grouped_mm"):
             return f"torch {torch.__version__} has no torch._grouped_mm"

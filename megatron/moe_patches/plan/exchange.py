@@ -45,6 +45,9 @@ class ExchangeChoice:
     static_pad_rows: bool  # and into a static row count, counts on the device (one rank)
     contradictions: Tuple[str, ...]  # what in the config contradicts moe_symmetric_exchange
     quantized_rows: bool = False  # static_pad_rows: the permute writes the rows' FP8 copy too
+    # SYMMETRIC_MEMORY: the experts read rows past their groups, so the owners' rows there are
+    # zero (else left unwritten: a quarter of the bound's rows at EP 4 are real)
+    zero_tail: bool = True
 
 
 def exchange_config_errors(config) -> list:
@@ -132,4 +135,5 @@ def choose_exchange(config, backend, padding: PaddingPlan, notes) -> ExchangeCho
         static_pad_rows=padding.static_rows,
         contradictions=tuple(exchange_config_errors(config)),
         quantized_rows=padding.quantized_rows,
+        zero_tail=name != SYMMETRIC_MEMORY or backend.reads_rows_past_groups(config),
     )
