@@ -86,7 +86,7 @@ MEGATRON_LM_DEFAULTS = {
 RUNS_OTHERWISE = {
     "--no-persist-layer-norm": True,
     "--no-ckpt-fully-parallel-save": False, "--no-save-rng": True, "--no-load-rng": True,
-    "--no-overlap-p2p-communication": False, "--eval-iters": 0,
+    "--no-overlap-p2p-communication": False,
     "--no-create-attention-mask-in-dataloader": False, "--log-throughput": True, "--log-timers-to-tensorboard": True,
     "--no-log-loss-scale-to-tensorboard": False, "--log-memory-to-tensorboard": True, "--no-one-logger": False,
     "--rerun-mode": "disabled", "--disable-msc": False,
@@ -251,11 +251,12 @@ def test_flags_megatron_lm_does_not_have_stay_argparse_errors(refused):
 def test_pretrain_gpt_refuses_with_one_line_each_and_exit_2():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     run = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "pretrain_gpt.py"), *REQUIRED,
-                          "--eval-interval", "1000", "--eval-iters", "10"],
+                          "--skip-train", "--decrease-batch-size-if-needed"],
                          capture_output=True, text=True, cwd=ROOT, env=env)
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.splitlines() == [f"pretrain_gpt.py: error: --eval-interval: {megatron_lm_flags.EVALUATION}",
-                                       f"pretrain_gpt.py: error: --eval-iters: {megatron_lm_flags.EVALUATION}"]
+    assert run.stderr.splitlines() == [f"pretrain_gpt.py: error: --skip-train: {megatron_lm_flags.EVALUATION}",
+                                       "pretrain_gpt.py: error: --decrease-batch-size-if-needed: "
+                                       f"{megatron_lm_flags.BATCH_ROUNDING}"]
 
 
 # --- Megatron-LM's defaults and rules, as the driver runs them -----------------------------

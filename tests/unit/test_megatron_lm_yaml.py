@@ -127,9 +127,8 @@ def test_config_fields_at_megatron_cores_defaults_are_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, flag, reason", [
-    ("eval_iters", 32, "--eval-iters", megatron_lm_flags.EVALUATION),
-    ("train_samples", 1000, "--train-samples", megatron_lm_flags.SAMPLE_BASED),
-    ("rampup_batch_size", "[4, 4, 100]", "--rampup-batch-size", megatron_lm_flags.BATCH_RAMPUP),
+    ("skip_train", "true", "--skip-train", megatron_lm_flags.EVALUATION),
+    ("decrease_batch_size_if_needed", "true", "--decrease-batch-size-if-needed", megatron_lm_flags.BATCH_ROUNDING),
     ("dataloader_type", "cyclic", "--dataloader-type", megatron_lm_flags.DATA_LOADER),
 ])
 def test_settings_the_driver_refuses_name_the_file_line_and_flag(tmp_path, environment, key, value, flag, reason,

@@ -26,7 +26,7 @@ def test_metrics_and_the_log_line(monkeypatch):
     assert metrics == {
         "lm loss": 2.5, "learning-rate": 1e-3, "grad-norm": 0.75, "iteration-time": 0.5,
         "throughput": 1e9 * 16 * 256 / 0.5 / 2 / 1e12, "tokens-per-sec": 16 * 256 / 0.5,
-        "consumed-samples": 160, "mem-allocated-bytes": 3 * 2**20, "mem-max-allocated-bytes": 5 * 2**20,
+        "consumed-samples": 160, "batch-size": 16, "mem-allocated-bytes": 3 * 2**20, "mem-max-allocated-bytes": 5 * 2**20,
         "forward-backward-time": 0.4, "optimizer-time": 0.1,
     }
     line = training._log_line(args(), 10, metrics, started=0.0)

@@ -296,7 +296,15 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
              "Samples per optimizer step over all data-parallel ranks; a multiple of "
              "--micro-batch-size x data-parallel size, reached by gradient accumulation "
              "(default: --micro-batch-size x data-parallel size)."),
-        _opt("--train-iters", int, None, "Number of training iterations (optimizer steps; required)."),
+        _opt("--rampup-batch-size", int, None,
+             "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT up to "
+             "--global-batch-size over SAMPLES samples, as Megatron-LM does (needs --train-samples; "
+             "default: the full batch from the first step).", nargs=3, metavar=("START", "INCREMENT", "SAMPLES")),
+        _opt("--train-iters", int, None,
+             "Number of training iterations (optimizer steps); this or --train-samples is required."),
+        _opt("--train-samples", int, None,
+             "Train on this many samples instead of --train-iters iterations: the run's length, "
+             "the learning-rate schedule and --rampup-batch-size are then counted in samples."),
         _opt("--lr", float, None, "Peak learning rate, reached after the warmup (required)."),
         _opt("--min-lr", float, 0.0, "Learning rate the decay ends at."),
         _opt("--lr-decay-style", None, "linear",
@@ -306,6 +314,11 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
              "Warmup as a fraction of --lr-decay-iters, instead of --lr-warmup-iters."),
         _opt("--lr-decay-iters", int, None,
              "Iterations the learning rate decays over, warmup included (default: --train-iters)."),
+        _opt("--lr-warmup-samples", int, 0,
+             "Samples of linear learning rate warmup from 0 to --lr (with --train-samples)."),
+        _opt("--lr-decay-samples", int, None,
+             "Samples the learning rate decays over, warmup included (with --train-samples; "
+             "default: --train-samples)."),
         _opt("--weight-decay", float, 0.01, "Weight decay coefficient."),
         _opt("--clip-grad", float, 1.0, "Clip the gradients to this global L2 norm."),
         _opt("--adam-beta1", float, 0.9, "Adam's decay rate of the first moment (gradient mean)."),
@@ -343,10 +356,19 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
         _opt("--timing-log-level", int, 0,
              "1: also time the forward-backward and optimizer phases of each iteration "
              "(adds a GPU sync between them).", choices=megatron_lm_flags.TIMING_LOG_LEVELS),
+        _on("--log-params-norm",
+            "Log the L2 norm of all parameters (each counted once over the model-parallel ranks) "
+            "each logged iteration as 'params norm' and the TensorBoard scalar params-norm."),
         _on("--log-num-zeros-in-grad",
             "Count the zero entries of the gradients (the optimizer's main grads, before "
             "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
             "scalar num-zeros (adds a GPU sync)."),
+        _opt("--eval-interval", int, None,
+             "Evaluate on the validation split every this many iterations, and once more at the end "
+             "(default: no evaluation)."),
+        _opt("--eval-iters", int, 100,
+             "Global batches of the validation split (and of the test split, at the end) each "
+             "evaluation reads, with --eval-interval; 0: no evaluation."),
         _opt("--save", None, None,
              "Directory to save checkpoints to; one is always saved at the end "
              "(default: no checkpoints)."),
@@ -629,12 +651,18 @@ def apply_megatron_lm_rules(args: argparse.Namespace, warn: Callable[[str], None
         value = getattr(args, name)
         if isinstance(value, list) and len(value) == 1:  # Megatron-LM keeps a single entry unlisted
             setattr(args, name, value[0])
+    _check_run_length_units(args)
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one")
-        decay_iters = args.lr_decay_iters or args.train_iters
-        if decay_iters is not None:  # missing --train-iters is reported by check_args
-            args.lr_warmup_iters = args.lr_warmup_fraction * decay_iters  # Megatron-LM's warmup steps
+        run = RUN_LENGTHS[counted_in(args)]
+        if getattr(args, run.warmup):
+            raise ValueError(f"--lr-warmup-fraction and {_flag(run.warmup)} both set the warmup: give one")
+        decay = getattr(args, run.decay) or getattr(args, run.length)
+        if decay is not None:  # a missing run length is reported by check_args
+            setattr(args, run.warmup, args.lr_warmup_fraction * decay)  # Megatron-LM's warmup steps
+    if args.eval_interval is None and args.eval_iters not in (0, megatron_lm_flags.BY_NAME["--eval-iters"].default):
+        # Megatron-LM 0.16.1 sizes the validation data by --eval-interval and stops without it
+        raise ValueError(f"--eval-iters {args.eval_iters} needs --eval-interval (how often to evaluate): "
+                         "add it, or drop --eval-iters")
 
 
 def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) -> Optional[str]:
@@ -831,11 +859,15 @@ INT_RANGES: Dict[str, IntRange] = {
         "moe_shared_expert_intermediate_size", "moe_deepep_num_sms", "moe_hybridep_num_sms",
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
         "expert_tensor_parallel_size", "fp8_amax_history_len", "micro_batch_size", "global_batch_size",
-        "train_iters", "lr_decay_iters", "log_interval", "save_interval",
+        "train_iters", "lr_decay_iters", "log_interval", "save_interval", "train_samples", "lr_decay_samples",
+        "eval_interval",
     ), SIZE),
     **dict.fromkeys(("moe_mlp_glu_interleave_size", "moe_hybridep_num_blocks_permute",
                      "moe_hybridep_num_blocks_unpermute"), PATCH_SIZE),
     "lr_warmup_iters": STEPS,
+    "lr_warmup_samples": STEPS,
+    "eval_iters": STEPS,  # 0: no evaluation
+    "rampup_batch_size": STEPS,  # each of START INCREMENT SAMPLES; START and INCREMENT >= 1 in check_args
     "cuda_graph_warmup_steps": STEPS,  # below 0 the capture step never comes
     "fp8_margin": IntRange(0, 127, "the scaling factor is divided by 2**margin in fp32, which ends at 2**127"),
     "timing_log_level": IntRange(0, 2, "Megatron-LM's levels"),
@@ -844,7 +876,7 @@ INT_RANGES: Dict[str, IntRange] = {
     "seed": IntRange(0, 2**32 - 1, "2**32 - 1, the largest seed the data shuffle takes"),
 }
 # The domain of every float the driver passes on (megatron-core checks none of them): finite, and
-NOT_NEGATIVE = ("lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coeff",
+NOT_NEGATIVE = ("lr_warmup_iters", "lr_warmup_samples", "lr", "min_lr", "weight_decay", "clip_grad", "moe_aux_loss_coeff",
                 "moe_z_loss_coeff", "moe_router_bias_update_rate")
 # [0, 1); a warmup of the whole decay would leave no decay (refused below, as Megatron-LM does)
 FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction")
@@ -985,7 +1017,53 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 # Megatron-LM has no default for these and stops without them; so does this driver.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
-            "vocab_size", "micro_batch_size", "train_iters", "lr")
+            "vocab_size", "micro_batch_size", "lr")
+
+
+class RunLength(NamedTuple):
+    """The dests that count a run, and its learning-rate schedule, in one unit."""
+
+    length: str
+    warmup: str
+    decay: str
+
+
+# Megatron-LM counts a run in iterations or in samples (its scheduler's steps are samples either
+# way): the settings of one unit, then the settings of the other that its asserts refuse with it.
+RUN_LENGTHS = {
+    "iterations": RunLength("train_iters", "lr_warmup_iters", "lr_decay_iters"),
+    "samples": RunLength("train_samples", "lr_warmup_samples", "lr_decay_samples"),
+}
+ONLY_SAMPLE_BASED = ("rampup_batch_size",)  # Megatron-LM: no ramp-up in iteration-based training
+
+
+def counted_in(args: argparse.Namespace) -> str:
+    """"samples" where --train-samples sets the run's length, else "iterations" (Megatron-LM's test)."""
+    return "samples" if getattr(args, "train_samples", None) else "iterations"
+
+
+def _is_set(args: argparse.Namespace, name: str) -> bool:
+    return getattr(args, name, None) not in (None, 0)  # warmups are 0 when unset
+
+
+def _check_run_length_units(args: argparse.Namespace) -> None:
+    """Megatron-LM's asserts: no setting counted in the other unit than the run's length."""
+    if args.train_iters is None and args.train_samples is None:
+        return  # _check_required names both
+    unit = counted_in(args)
+    other = RUN_LENGTHS["iterations" if unit == "samples" else "samples"]
+    length_flag = _flag(RUN_LENGTHS[unit].length)
+    for name in other:
+        if _is_set(args, name):
+            raise ValueError(f"{_flag(name)} with {length_flag}: Megatron-LM counts a run in iterations or in "
+                             f"samples, not both: give {length_flag} with "
+                             f"{' and '.join(map(_flag, RUN_LENGTHS[unit][1:]))}, or the other unit throughout")
+    if unit == "iterations":
+        for name in ONLY_SAMPLE_BASED:
+            if _is_set(args, name):
+                raise ValueError(f"{_flag(name)} with {length_flag}: Megatron-LM ramps the batch size up in "
+                                 "sample-based training only: give --train-samples (and --lr-warmup-samples, "
+                                 "--lr-decay-samples) instead of --train-iters, or drop it")
 
 
 def _flag(name: str) -> str:
@@ -995,6 +1073,8 @@ def _flag(name: str) -> str:
 
 def _check_required(args: argparse.Namespace) -> None:
     missing = [_flag(name) for name in REQUIRED if getattr(args, name, None) is None]
+    if getattr(args, "train_iters", None) is None and getattr(args, "train_samples", None) is None:
+        missing.append("--train-iters or --train-samples")
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (Megatron-LM has no default for "
                          f"{'it' if len(missing) == 1 else 'them'}); give {'it' if len(missing) == 1 else 'them'}"
@@ -1107,12 +1187,14 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
                          f"{args.seq_length}: raise it")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:  # megatron-core's scheduler: warmup < decay
+    run = RUN_LENGTHS[counted_in(args)]
+    setattr(args, run.decay, getattr(args, run.decay) or getattr(args, run.length))
+    warmup, decay = getattr(args, run.warmup), getattr(args, run.decay)
+    if warmup >= decay:  # megatron-core's scheduler: warmup < decay
         raise ValueError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
-            f"{args.lr_decay_iters} (which defaults to --train-iters): shorten the warmup or "
-            "set --lr-decay-iters"
+            f"{_flag(run.warmup)} {warmup} must be below {_flag(run.decay)} "
+            f"{decay} (which defaults to {_flag(run.length)}): shorten the warmup or "
+            f"set {_flag(run.decay)}"
         )
     _check_parallel_sizes(args, world_size)
     model_parallel = tp * args.pipeline_model_parallel_size
@@ -1125,10 +1207,97 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
             f"--global-batch-size {args.global_batch_size} must be a multiple of "
             f"--micro-batch-size x data-parallel size = {args.micro_batch_size * data_parallel}"
         )
+    if args.rampup_batch_size is not None and args.train_samples:  # iteration-based: refused before
+        _check_rampup(args)
+    if args.train_samples:  # Megatron-LM's iterations of a sample-based run, ramp-up included
+        args.train_iters = sample_based_iterations(args)
+    _check_validation_split(args)
     _check_data_path(args)
     for name in OUTPUT_DIRS:
         if getattr(args, name, None):
             _check_output_dir(_flag(name), getattr(args, name))
+
+
+def batch_calculator(args: argparse.Namespace, rank: int = 1):
+    """megatron-core's calculator of the global batch size and micro-batches per step for these
+    args (a ramp-up with --rampup-batch-size, else constant); ``update(consumed_samples, ...)``
+    moves it on. ``rank`` 0 logs what it decides, as in Megatron-LM."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    shape = (args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False, rank)
+    if args.rampup_batch_size is None:
+        return calculators.ConstantNumMicroBatchesCalculator(*shape)
+    return calculators.RampupBatchsizeNumMicroBatchesCalculator(*shape, *args.rampup_batch_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _sample_based_run(rampup: Optional[Tuple[int, int, int]], global_batch: int, micro_batch: int,
+                      data_parallel: int, train_samples: int) -> Tuple[int, Tuple[int, ...]]:
+    """(iterations, the global batch sizes the ramp-up steps take) of a sample-based run, counted as
+    Megatron-LM's update_train_iters counts them: the ramp-up's steps one by one while neither the
+    ramp-up's nor the run's samples are passed, then full batches (a partial last one dropped)."""
+    if rampup is None:
+        return train_samples // global_batch, ()
+    args = argparse.Namespace(global_batch_size=global_batch, micro_batch_size=micro_batch,
+                              data_parallel_size=data_parallel, rampup_batch_size=list(rampup))
+    calculator = batch_calculator(args)
+    iterations, consumed, sizes = 0, 0, set()
+    while consumed <= rampup[2] and consumed <= train_samples:
+        calculator.update(consumed, consistency_check=False)
+        batch = calculator.get_current_global_batch_size()
+        sizes.add(batch)
+        consumed += batch
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // global_batch
+    return iterations, tuple(sorted(sizes))
+
+
+def sample_based_iterations(args: argparse.Namespace) -> int:
+    """The iterations of a --train-samples run (Megatron-LM's rule, ramp-up included)."""
+    rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
+    return _sample_based_run(rampup, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+                             args.train_samples)[0]
+
+
+def _check_validation_split(args: argparse.Namespace) -> None:
+    """Evaluation reads the validation split: one that --split leaves empty would make
+    --eval-interval change nothing (Megatron-LM then skips evaluation without a word)."""
+    if not (args.eval_interval and args.eval_iters) or args.split is None:
+        return  # no --split: megatron-core splits mock data 1,1,1; --data-path has the legacy split by now
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    try:
+        weights = parse_and_normalize_split(args.split)
+    except (AssertionError, ValueError, ZeroDivisionError):
+        return  # not a split megatron-core reads: left to its own refusal at start-up
+    if len(weights) < 2 or weights[1] == 0:
+        raise ValueError(f"--eval-interval {args.eval_interval} with --split {shown(args.split)}: the validation split "
+                         "(the second weight) is empty, so there is nothing to evaluate on: give it a share, "
+                         "or drop --eval-interval")
+
+
+def _check_rampup(args: argparse.Namespace) -> None:
+    """What megatron-core's ramp-up calculator asserts at start-up, and, for every global batch size
+    the ramp-up takes, the divisibility it asserts only when the run gets there."""
+    start, increment, samples = args.rampup_batch_size
+    flag = f"--rampup-batch-size {start} {increment} {samples}"
+    if start < 1 or increment < 1:
+        raise ValueError(f"{flag}: the start batch size and the increment must be at least 1")
+    if start >= args.global_batch_size:
+        raise ValueError(f"{flag}: the start batch size must be below --global-batch-size "
+                         f"{args.global_batch_size}, which the ramp-up grows to")
+    if (args.global_batch_size - start) % increment:
+        raise ValueError(f"{flag}: --global-batch-size {args.global_batch_size} minus the start batch size "
+                         f"must be a multiple of the increment (Megatron-LM's rule)")
+    step = args.micro_batch_size * args.data_parallel_size
+    _, sizes = _sample_based_run((start, increment, samples), args.global_batch_size, args.micro_batch_size,
+                                 args.data_parallel_size, args.train_samples)
+    uneven = [size for size in sizes if size % step]
+    if uneven:
+        raise ValueError(f"{flag}: the ramp-up reaches a global batch size of {uneven[0]}, not a multiple of "
+                         f"--micro-batch-size x data-parallel size = {step} (megatron-core stops there): "
+                         "choose a start and an increment that are multiples of it")
 
 
 def bias_gelu_fusion(args: argparse.Namespace) -> bool:

@@ -195,7 +195,8 @@ ALWAYS_LOGS_THROUGHPUT = ("this driver logs the throughput (tokens/s, TFLOP/s pe
 ATTENTION_VARIANT = "this driver builds standard dot-product self-attention only"
 AUTORESUME = "ADLR autoresume is not run by this driver"
 BATCH_INVARIANT = "batch-invariant kernels are not offered by this driver (--deterministic-mode reproduces runs)"
-BATCH_RAMPUP = "this driver trains with a fixed --global-batch-size"
+BATCH_ROUNDING = ("this driver keeps every global batch size (of --rampup-batch-size too) a multiple of "
+                  "--micro-batch-size x data-parallel size, and refuses one that is not before start-up")
 CHECKPOINT_ARGS = ("--use-checkpoint-args takes every model arg from the checkpoint; the parallel sizes alone are not "
                    "offered")
 CHECKPOINT_EXTRAS = ("this driver saves persistent torch_dist checkpoints to --save every --save-interval iterations "
@@ -221,10 +222,13 @@ DEPRECATED_MODEL_PARALLEL_SIZE = "deprecated in Megatron-LM: use --tensor-model-
 DEPRECATED_PADDING_FOR_FP8 = "deprecated in Megatron-LM: use --moe-router-padding-for-quantization"
 DEPRECATED_ROTARY = "deprecated in Megatron-LM: use --position-embedding-type rope"
 DEPRECATED_WARMUP = "deprecated in Megatron-LM: use --lr-warmup-fraction or --lr-warmup-iters"
-EARLY_EXIT = "this driver runs --train-iters iterations; it has no other exit condition and no signal handler"
+EARLY_EXIT = ("this driver runs --train-iters iterations (or --train-samples samples); it has no other exit "
+              "condition and no signal handler")
 ENCODER_DECODER = "this driver builds decoder-only GPT models: use --num-layers and --seq-length"
 EP_OVERLAP_TUNING = "this driver runs megatron-core's combined 1F1B schedule with its default memory handling"
-EVALUATION = "evaluation is not run by this driver (it trains only); use Megatron-LM's pretrain_gpt.py to evaluate"
+EVALUATION = ("this driver evaluates --eval-iters batches of the validation split every --eval-interval iterations "
+              "and at the end, and trains first; use Megatron-LM's pretrain_gpt.py for other evaluations")
+VALIDATION_PPL = "this driver writes the validation loss to TensorBoard (lm loss validation), not its perplexity"
 EXPERIMENTAL = "Megatron-LM's experimental features are not offered by this driver"
 FINETUNE = ("this driver resumes from --load as saved (--no-load-optim loads the model and iteration only); "
             "fine-tuning from a pretrained checkpoint is not offered")
@@ -296,7 +300,6 @@ RESTARTS = "in-process restarts and fault tolerance are not run by this driver"
 RL = "reinforcement learning is Megatron-LM's, not this driver's"
 RNG_TRACKERS = "this driver uses megatron-core's default CUDA RNG tracker"
 ROUTING_REPLAY = "MoE routing replay is not offered by this driver"
-SAMPLE_BASED = "sample-based training is not offered: give --train-iters (with --lr-decay-iters and --lr-warmup-iters)"
 SAMPLE_MASKS = ("this driver builds GPT samples with megatron-core's defaults: no position or attention-mask resets, "
                 "the loss on every token, no attention mask")
 SAVES_OPTIMIZER = "this driver always saves the optimizer states"
@@ -560,13 +563,13 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--memory-snapshot-path", str, "snapshot.pickle", refused=PROFILING),
     opt("--micro-batch-size", int, None),
     opt("--global-batch-size", int, None),
-    opt("--rampup-batch-size", int, None, nargs=3, refused=BATCH_RAMPUP),
-    on("--decrease-batch-size-if-needed", refused=BATCH_RAMPUP),
+    opt("--rampup-batch-size", int, None, nargs=3),
+    on("--decrease-batch-size-if-needed", refused=BATCH_ROUNDING),
     opt("--empty-unused-memory-level", int, 0, refused=LOOP_EXTRAS),
     opt("--check-weight-hash-across-dp-replicas-interval", int, None, refused=LOOP_EXTRAS),
     opt("--train-sync-interval", int, None, refused=LOOP_EXTRAS),
     opt("--train-iters", int, None),
-    opt("--train-samples", int, None, refused=SAMPLE_BASED),
+    opt("--train-samples", int, None),
     opt("--exit-interval", int, None, refused=EARLY_EXIT),
     opt("--exit-duration-in-mins", int, None, refused=EARLY_EXIT),
     on("--exit-signal-handler", refused=EARLY_EXIT),
@@ -655,12 +658,12 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--lr-decay-style", str, "linear", refused_values={"WSD": WSD}),
     opt("--lr-wsd-decay-style", str, "exponential", refused=WSD),
     opt("--lr-decay-iters", int, None),
-    opt("--lr-decay-samples", int, None, refused=SAMPLE_BASED),
+    opt("--lr-decay-samples", int, None),
     opt("--lr-wsd-decay-iters", int, None, refused=WSD),
     opt("--lr-wsd-decay-samples", int, None, refused=WSD),
     opt("--lr-warmup-fraction", float, None),
     opt("--lr-warmup-iters", int, 0),
-    opt("--lr-warmup-samples", int, 0, refused=SAMPLE_BASED),
+    opt("--lr-warmup-samples", int, 0),
     opt("--lr-warmup-init", float, 0.0, refused=LR_SCHEDULE),
     on("--override-opt_param-scheduler", "--override-opt-param-scheduler", refused=LR_SCHEDULE),
     on("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", refused=LR_SCHEDULE),
@@ -774,8 +777,8 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--nccl-communicator-config-path", str, None, refused=NCCL_TUNING),
     on("--use-tp-pp-dp-mapping", refused=PROCESS_GROUPS),
     on("--fake-process-group", refused=PROCESS_GROUPS),
-    opt("--eval-iters", int, 100, refused=EVALUATION, runs_as=0),
-    opt("--eval-interval", int, None, refused=EVALUATION),
+    opt("--eval-iters", int, 100),
+    opt("--eval-interval", int, None),
     on("--skip-train", refused=EVALUATION),
     on("--test-mode", refused=EVALUATION),
     on("--full-validation", refused=EVALUATION),
@@ -901,7 +904,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--heterogeneous-layers-config-path", str, None, refused=HETEROGENEOUS),
     opt("--heterogeneous-layers-config-encoded-json", str, None, refused=HETEROGENEOUS),
     opt("--log-interval", int, 100),
-    on("--log-params-norm", refused=LOGGED_EXTRAS),
+    on("--log-params-norm"),
     on("--log-throughput", refused=ALWAYS_LOGS_THROUGHPUT, runs_as=True),
     on("--log-progress", refused=LOGGED_EXTRAS),
     opt("--timing-log-level", int, 0, refused_values={2: TIMING_LEVEL_2}),
@@ -912,7 +915,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     on("--log-timers-to-tensorboard", refused=ALWAYS_LOGGED, runs_as=True, only_with="tensorboard_dir"),
     off("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
         dest="log_loss_scale_to_tensorboard", refused=NO_LOSS_SCALE, runs_as=False, only_with="tensorboard_dir"),
-    on("--log-validation-ppl-to-tensorboard", refused=EVALUATION, only_with="tensorboard_dir"),
+    on("--log-validation-ppl-to-tensorboard", refused=VALIDATION_PPL, only_with="tensorboard_dir"),
     on("--log-memory-to-tensorboard", refused=ALWAYS_LOGGED, runs_as=True, only_with="tensorboard_dir"),
     opt("--log-memory-interval", int, None, refused=LOGGED_EXTRAS),
     on("--log-device-memory-used", refused=LOGGED_EXTRAS),

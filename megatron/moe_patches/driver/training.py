@@ -12,10 +12,12 @@ checkpoints. ``main(argv)`` is pretrain_gpt.py's entry point (also
 import argparse
 import datetime
 import logging
+import math
 import os
 import sys
 import time
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,10 @@ import torch.distributed as dist
 from megatron.moe_patches.driver import checkpointing, compat
 from megatron.moe_patches.driver.arguments import (
     PROG,
+    RUN_LENGTHS,
+    batch_calculator,
     check_args,
+    counted_in,
     data_blend,
     params_dtype,
     parse_args,
@@ -142,24 +147,51 @@ def build_optimizer(args, ddp_model):
         ),
         [ddp_model],
     )
-    samples = args.global_batch_size
+    steps = lr_schedule_steps(args)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        init_lr=0.0 if steps["lr_warmup_steps"] else args.lr,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=args.lr_decay_iters * samples,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples,
         wd_incr_style="constant",
+        **steps,
     )
     return optimizer, scheduler
 
 
-def build_train_dataset(args):
+def lr_schedule_steps(args) -> dict:
+    """The scheduler's warmup, decay and weight-decay lengths. Its steps are samples (each
+    iteration steps it by that iteration's global batch), so Megatron-LM gives it iteration
+    settings times --global-batch-size and sample settings as they are."""
+    unit = counted_in(args)
+    run = RUN_LENGTHS[unit]
+    per_unit = 1 if unit == "samples" else args.global_batch_size
+    return dict(lr_warmup_steps=getattr(args, run.warmup) * per_unit,
+                lr_decay_steps=getattr(args, run.decay) * per_unit,
+                wd_incr_steps=getattr(args, run.length) * per_unit)
+
+
+def evaluates(args) -> bool:
+    """Megatron-LM evaluates with --eval-interval and --eval-iters above 0 (and a validation split)."""
+    return bool(args.eval_interval and args.eval_iters)
+
+
+def split_samples(args) -> list:
+    """Samples to build of the train, validation and test splits, as Megatron-LM counts them:
+    the run's; --eval-iters global batches per evaluation (every --eval-interval iterations
+    and one at the end); --eval-iters global batches for the test at the end. None: not read."""
+    train = args.train_samples or args.train_iters * args.global_batch_size
+    if not evaluates(args):
+        return [train, None, None]
+    per_evaluation = args.eval_iters * args.global_batch_size
+    return [train, (args.train_iters // args.eval_interval + 1) * per_evaluation, per_evaluation]
+
+
+def build_datasets(args):
+    """megatron-core's train, validation and test datasets (None for a split --split leaves empty)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
@@ -176,13 +208,9 @@ def build_train_dataset(args):
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    builder = BlendedMegatronDatasetBuilder(
-        MockGPTDataset if mock else GPTDataset,
-        [args.train_iters * args.global_batch_size, None, None],
-        lambda: True,
-        config,
-    )
-    return builder.build()[0]
+    builder = BlendedMegatronDatasetBuilder(MockGPTDataset if mock else GPTDataset, split_samples(args),
+                                            lambda: True, config)
+    return builder.build()
 
 
 def micro_batches(dataset, first_sample, args, dp_rank):
@@ -245,13 +273,17 @@ def model_flops_per_token(args) -> float:
 
 
 def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_allocated, mem_max_allocated,
-                      num_zeros=None):
+                      num_zeros=None, batch_size=None, consumed_samples=None, params_norm=None):
     """One logged iteration's numbers, under the names Megatron-LM gives them in TensorBoard.
 
     ``times``: seconds of the whole iteration (``"iteration"``) and, with --timing-log-level,
     of its phases (``"forward-backward"``, ``"optimizer"``). ``num_zeros``: the zero entries
-    of the main grads (--log-num-zeros-in-grad), None when not counted."""
-    tokens = args.global_batch_size * args.seq_length
+    of the main grads (--log-num-zeros-in-grad), None when not counted. ``batch_size``: this
+    iteration's global batch (--rampup-batch-size grows it; default --global-batch-size);
+    ``consumed_samples``: the samples trained on so far (default: iterations x the batch).
+    ``params_norm``: the parameters' L2 norm (--log-params-norm), None when not computed."""
+    batch_size = batch_size or args.global_batch_size
+    tokens = batch_size * args.seq_length
     elapsed = times["iteration"]
     metrics = {
         "lm loss": loss,
@@ -260,12 +292,15 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
         "iteration-time": elapsed,
         "throughput": model_flops_per_token(args) * tokens / elapsed / world / 1e12,
         "tokens-per-sec": tokens / elapsed,
-        "consumed-samples": iteration * args.global_batch_size,
+        "consumed-samples": iteration * batch_size if consumed_samples is None else consumed_samples,
+        "batch-size": batch_size,
         "mem-allocated-bytes": mem_allocated,
         "mem-max-allocated-bytes": mem_max_allocated,
     }
     if num_zeros is not None:
         metrics["num-zeros"] = num_zeros
+    if params_norm is not None:
+        metrics["params-norm"] = params_norm
     metrics.update({f"{phase}-time": seconds for phase, seconds in times.items() if phase != "iteration"})
     return metrics
 
@@ -288,6 +323,7 @@ def _log_line(args, iteration, metrics, started):
         if name.endswith("-time") and name != "iteration-time"
     )
     zeros = f" | num zeros: {metrics['num-zeros']:.0f}" if "num-zeros" in metrics else ""
+    norm = f" | params norm: {metrics['params-norm']:.3f}" if "params-norm" in metrics else ""
     return (
         f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d}"
         f" | consumed samples: {metrics['consumed-samples']:12d}"
@@ -296,13 +332,94 @@ def _log_line(args, iteration, metrics, started):
         f" | throughput per GPU (TFLOP/s/GPU): {metrics['throughput']:.1f}"
         f" | tokens/s: {metrics['tokens-per-sec']:.0f}"
         f" | learning rate: {metrics['learning-rate']:.6E}"
-        f" | global batch size: {args.global_batch_size:5d}"
+        f" | global batch size: {metrics['batch-size']:5d}"
         f" | lm loss: {metrics['lm loss']:.6E}"
         f" | grad norm: {metrics['grad-norm']:.3f}"
-        f"{zeros}"
+        f"{zeros}{norm}"
         f" | mem (MiB): {metrics['mem-allocated-bytes'] / 2**20:.0f}/{metrics['mem-max-allocated-bytes'] / 2**20:.0f}"
         f" | progress: {100 * done:5.1f}% eta {datetime.timedelta(seconds=int(eta))}"
     )
+
+
+def validation_lines(where: str, loss: float) -> list:
+    """Megatron-LM's validation result: the loss and its perplexity (exp, capped at e**20) between
+    two rules. ``where``: "iteration K", or "iteration K on validation set" / "on test set"."""
+    text = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} | "
+    rule = "-" * (len(text) + 1)
+    return [rule, text, rule]
+
+
+def evaluate(forward_backward, model, data, args) -> Optional[float]:
+    """--eval-iters forward-only steps of one --global-batch-size each (the full batch, also during a
+    ramp-up, as in Megatron-LM) with dropout off and no gradients: the mean lm loss of their
+    micro-batches on the last pipeline stage, None on the others."""
+    num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    model.eval()
+    losses = []
+    try:
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                losses += forward_backward(
+                    forward_step_func=forward_step, data_iterator=data, model=[model],
+                    num_microbatches=num_micro_batches, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, forward_only=True,
+                )
+    finally:
+        model.train()
+    if not losses:
+        return None
+    return torch.stack([m["lm loss"].float() for m in losses]).mean().item()
+
+
+def params_l2_norm(params, bf16: bool, tp_rank: int = 0, groups=None) -> float:
+    """The L2 norm of the model's parameters as Megatron-LM's --log-params-norm computes it: each
+    parameter once over the model-parallel ranks (a copy every TP rank holds counted on TP rank 0;
+    the output layer's copy of a tied embedding, marked ``shared``, not at all), the fp32 main
+    params where the bf16 optimizer keeps them. ``groups``: (data-parallel, model-parallel,
+    expert model-parallel) process groups to reduce over, None on one rank: the distributed
+    optimizer's main-param shards sum over data parallelism, dense params over TP x PP, expert
+    params over expert TP x EP x PP."""
+    parts = {"dense": [], "expert": [], "sharded": []}
+    for param in params:
+        if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
+            continue
+        if getattr(param, "shared", False):
+            continue
+        kind = "dense" if getattr(param, "allreduce", True) else "expert"
+        if not bf16:
+            parts[kind].append(param.data)
+        elif hasattr(param, "main_param"):
+            if getattr(param, "main_param_sharded", False):
+                if param.main_param is not None:  # ranks whose shard holds none of it have None
+                    parts["sharded"].append(param.main_param)
+            else:
+                parts[kind].append(param.main_param)
+        else:
+            parts[kind].append(param.data.float())
+    device = next((t.device for ts in parts.values() for t in ts), None)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    squares = {kind: torch.zeros((), dtype=torch.float32, device=device) for kind in parts}
+    for kind, tensors in parts.items():
+        if tensors:
+            squares[kind] = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]).square().sum()
+    if groups is not None:
+        data_parallel, model_parallel, expert_model_parallel = groups
+        dist.all_reduce(squares["sharded"], group=data_parallel)
+        squares["dense"] += squares["sharded"]
+        dist.all_reduce(squares["dense"], group=model_parallel)
+        dist.all_reduce(squares["expert"], group=expert_model_parallel)
+    else:
+        squares["dense"] += squares["sharded"]
+    return math.sqrt((squares["dense"] + squares["expert"]).item())
+
+
+def _params_norm(gpt, args) -> float:
+    from megatron.core import parallel_state
+
+    groups = (parallel_state.get_data_parallel_group(), parallel_state.get_model_parallel_group(),
+              parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    return params_l2_norm(gpt.parameters(), args.bf16, parallel_state.get_tensor_model_parallel_rank(), groups)
 
 
 def write_tensorboard(writer, metrics, iteration) -> None:
@@ -401,23 +518,50 @@ def pretrain(args: argparse.Namespace) -> None:
     from megatron.moe_patches.graphs.moe_layer_graphs import active_captures
 
     gpt, model, optimizer, scheduler = setup(args)
-    iteration = 0
+    iteration, saved = 0, {}
     found = checkpointing.find_checkpoint(args.load)[0] if args.load else None
     if found is not None:
         iteration = checkpointing.load(args.load, gpt, optimizer, scheduler, args)
+        saved = checkpointing.read_common_state(found)["args"]
+        saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved
         _print_rank0(f"loaded checkpoint {found} at iteration {iteration}")
     elif args.load and args.exit_on_missing_checkpoint:  # parse_args stops this earlier
         raise SystemExit(f"--load {args.load}: no checkpoint there, and --exit-on-missing-checkpoint is set")
+    # The samples read so far, saved in the args as Megatron-LM saves them; a checkpoint without
+    # them was trained at a fixed batch.
+    args.consumed_train_samples = saved.get("consumed_train_samples") or iteration * args.global_batch_size
+    args.consumed_valid_samples = saved.get("consumed_valid_samples") or first_validation_sample(args, iteration)
 
-    dataset = build_train_dataset(args)
-    data = micro_batches(
-        dataset, iteration * args.global_batch_size, args, parallel_state.get_data_parallel_rank()
-    )
-    num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    train_set, valid_set, test_set = build_datasets(args)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    data = micro_batches(train_set, args.consumed_train_samples, args, dp_rank)
+    valid_data = micro_batches(valid_set, args.consumed_valid_samples, args, dp_rank) if valid_set is not None else None
+    logs = (parallel_state.is_pipeline_last_stage() and dp_rank == 0
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    calculator = batch_calculator(args, rank=dist.get_rank())  # megatron-core's, as Megatron-LM's loop uses it
+    calculator.update(args.consumed_train_samples, consistency_check=True)
+    num_micro_batches = calculator.get()
     forward_backward = get_forward_backward_func()
     started, last_saved, tensorboard = time.time(), None, None
     steps_run, graph_helper, graphs_checked = 0, moe_graph_helper(model, gpt, optimizer, args), set()
+
+    def validate(where: str, data_iterator) -> None:
+        loss = evaluate(forward_backward, model, data_iterator, args)
+        if logs:
+            print("\n".join(validation_lines(where, loss)), flush=True)
+            if tensorboard is not None:
+                tensorboard.add_scalar("lm loss validation", loss, iteration)
+                tensorboard.add_scalar("lm loss validation vs samples", loss, args.consumed_train_samples)
+                tensorboard.flush()
+
     while iteration < args.train_iters:
+        calculator.update(args.consumed_train_samples, consistency_check=True)
+        if calculator.get() != num_micro_batches:  # a ramp-up step: Megatron-LM saves before it
+            if args.save and last_saved != iteration:
+                save_checkpoint(args, iteration, gpt, optimizer, scheduler)
+                last_saved = iteration
+            num_micro_batches = calculator.get()
+        batch_size = calculator.get_current_global_batch_size()
         if graph_helper is not None and not graph_helper.graphs_created() and steps_run == args.cuda_graph_warmup_steps:
             graph_helper.create_cudagraphs()
         captured_before_step = active_captures()
@@ -443,20 +587,24 @@ def pretrain(args: argparse.Namespace) -> None:
         # after backward and clipping, before the update (Megatron-LM's num-zeros).
         warn_if_graphs_never_replay(captured_before_step, graphs_checked)
         _, grad_norm, num_zeros = optimizer.step()
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=batch_size)  # the scheduler counts samples
         iteration += 1
+        args.consumed_train_samples += batch_size
         torch.cuda.synchronize()
         times["iteration"] = time.time() - tick
         if args.timing_log_level:
             times["optimizer"] = times["iteration"] - times["forward-backward"]
-        if iteration % args.log_interval == 0 and parallel_state.is_pipeline_last_stage():
-            loss = torch.stack([m["lm loss"] for m in losses]).mean().item()
-            if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+        if iteration % args.log_interval == 0:
+            # every rank takes part in its reductions; only logged iterations show it
+            params_norm = _params_norm(gpt, args) if args.log_params_norm else None
+            if logs:
+                loss = torch.stack([m["lm loss"] for m in losses]).mean().item()
                 metrics = iteration_metrics(
                     args, iteration, times, _number(optimizer.param_groups[0]["lr"]), loss,
                     _number(grad_norm) or 0.0, dist.get_world_size(), torch.cuda.memory_allocated(),
                     torch.cuda.max_memory_allocated(),
                     _number(num_zeros) if args.log_num_zeros_in_grad else None,  # without it: 0 or None
+                    batch_size=batch_size, consumed_samples=args.consumed_train_samples, params_norm=params_norm,
                 )
                 print(_log_line(args, iteration, metrics, started), flush=True)
                 if args.tensorboard_dir:
@@ -465,16 +613,36 @@ def pretrain(args: argparse.Namespace) -> None:
 
                         tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
                     write_tensorboard(tensorboard, metrics, iteration)
+        if valid_data is not None and evaluates_after(args, iteration):
+            validate(f"iteration {iteration}", valid_data)
+            args.consumed_valid_samples += args.eval_iters * args.global_batch_size
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(args, iteration, gpt, optimizer, scheduler)
             last_saved = iteration
     if args.save and last_saved != iteration:
         save_checkpoint(args, iteration, gpt, optimizer, scheduler)
+    if valid_data is not None and evaluates(args):  # Megatron-LM's evaluation after training
+        validate(f"iteration {iteration} on validation set", valid_data)
+        if test_set is not None:
+            validate(f"iteration {iteration} on test set", micro_batches(test_set, 0, args, dp_rank))
     if tensorboard is not None:
         tensorboard.close()
     _print_rank0(f"training done: {iteration} iterations in {time.time() - started:.1f} s")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def evaluates_after(args, iteration: int) -> bool:
+    """Whether Megatron-LM's loop evaluates after training ``iteration``: every --eval-interval."""
+    return evaluates(args) and iteration % args.eval_interval == 0
+
+
+def first_validation_sample(args, iteration: int) -> int:
+    """Where a run resumed at ``iteration`` continues reading the validation split: after the
+    --eval-iters global batches of each evaluation so far (Megatron-LM's count)."""
+    if not evaluates(args):
+        return 0
+    return iteration // args.eval_interval * args.eval_iters * args.global_batch_size
 
 
 def main(argv=None, prog: str = PROG) -> int:
