@@ -54,7 +54,6 @@ NOT_DRIVER_FLAGS: Dict[str, str] = {
     # not a flag: README's example of how a field is spelled as a flag (moe_foo -> --moe-foo)
     "--moe-foo": "README's placeholder for the field-to-flag spelling",
     # Megatron-LM flags the docs name as refused by the driver or as Megatron-LM's alone
-    "--eval-interval": "README quotes the driver's refusal of it (evaluation is not run by the driver)",
     "--fp8-param-gather": "patches/F10 lists it as a limit of the FP8 experts; the driver refuses it (FP8 params)",
     "--overlap-param-gather": "patches/README.md: what Megatron's DDP does under it; the driver refuses it",
 }
@@ -212,8 +211,8 @@ def test_every_flag_the_docs_name_is_accepted_by_the_driver():
     ("Plain prose naming --moe-no-such-flag.\n", "--moe-no-such-flag"),
     ("| shape | bf16 | `--moe-device-tokens-per-expert --moe-no-such-flag` |\n", "--moe-no-such-flag"),
     ("Train in fp16: `--fp16`.\n", "--fp16"),  # a Megatron-LM flag the driver refuses
-    ("Evaluate: `--eval-iters 5`.\n", "--eval-iters"),  # accepted as 0 only (README shows that too)
-    ("Evaluate every `--eval-interval`.\n", None),  # in NOT_DRIVER_FLAGS: not reported
+    ("Time the phases: `--timing-log-level 2`.\n", "--timing-log-level"),  # a value the driver refuses
+    ("Launch with `--nproc-per-node 4`.\n", None),  # in NOT_DRIVER_FLAGS: not reported
 ])
 def test_a_flag_the_driver_does_not_accept_is_reported(added, flag):
     """The check can fail: README with one line added at its end, in memory, is reported at

@@ -75,7 +75,7 @@ def test_bad_flags_are_refused_before_start_up(argv, message, refused):
 def test_megatron_lm_required_flags_are_required(refused):
     assert refused([]) == (
         "--num-layers, --hidden-size, --num-attention-heads, --seq-length, --max-position-embeddings, --vocab-size, "
-        "--micro-batch-size, --train-iters, --lr: required (Megatron-LM has no default for them); give them on the "
+        "--micro-batch-size, --train-iters or --train-samples, --lr: required (Megatron-LM has no default for them); give them on the "
         "command line or in the --yaml-cfg recipe")
     assert refused(REQUIRED[2:]) == ("--num-layers: required (Megatron-LM has no default for it); give it on the "
                                      "command line or in the --yaml-cfg recipe")

@@ -1017,7 +1017,9 @@ def _check_ranges(args: argparse.Namespace) -> None:
 
 # Megatron-LM has no default for these and stops without them; so does this driver.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
-            "vocab_size", "micro_batch_size", "lr")
+            "vocab_size", "micro_batch_size", "train_iters", "lr")
+# A required setting that another may stand for: the run's length, in iterations or in samples.
+REQUIRED_ONE_OF = {"train_iters": ("train_iters", "train_samples")}
 
 
 class RunLength(NamedTuple):
@@ -1072,9 +1074,8 @@ def _flag(name: str) -> str:
 
 
 def _check_required(args: argparse.Namespace) -> None:
-    missing = [_flag(name) for name in REQUIRED if getattr(args, name, None) is None]
-    if getattr(args, "train_iters", None) is None and getattr(args, "train_samples", None) is None:
-        missing.append("--train-iters or --train-samples")
+    missing = [" or ".join(map(_flag, REQUIRED_ONE_OF.get(name, (name,)))) for name in REQUIRED
+               if all(getattr(args, one, None) is None for one in REQUIRED_ONE_OF.get(name, (name,)))]
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (Megatron-LM has no default for "
                          f"{'it' if len(missing) == 1 else 'them'}); give {'it' if len(missing) == 1 else 'them'}"
