@@ -43,6 +43,10 @@ NOT_DRIVER_FLAGS: Dict[str, str] = {
     # torchrun, in the multi-GPU commands of README and patches/F12
     "--nproc-per-node": "torchrun: ranks per node",
     "--no-python": "torchrun: run the console script, not a Python file",
+    # Megatron-LM's own loop, in README's section on it
+    "--moe-pad-experts-for-cuda-graph-inference": "Megatron-LM: an inference setting its validate_args asks "
+                                                  "for with local graphs at EP > 1 (README: why the MoE graphs "
+                                                  "of the patch set do not need it)",
     # the package's other commands
     "--apply": "megatron-moe-patches status: apply the series in the status command's process",
     "--features": "megatron-moe-patches status --apply: which features to apply",
