@@ -215,7 +215,7 @@ def test_every_flag_the_docs_name_is_accepted_by_the_driver():
     ("Plain prose naming --moe-no-such-flag.\n", "--moe-no-such-flag"),
     ("| shape | bf16 | `--moe-device-tokens-per-expert --moe-no-such-flag` |\n", "--moe-no-such-flag"),
     ("Train in fp16: `--fp16`.\n", "--fp16"),  # a Megatron-LM flag the driver refuses
-    ("Time the phases: `--timing-log-level 2`.\n", "--timing-log-level"),  # a value the driver refuses
+    ("Evaluate only: `--skip-train`.\n", "--skip-train"),  # refused: the driver trains, then evaluates
     ("Launch with `--nproc-per-node 4`.\n", None),  # in NOT_DRIVER_FLAGS: not reported
 ])
 def test_a_flag_the_driver_does_not_accept_is_reported(added, flag):

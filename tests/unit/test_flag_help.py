@@ -64,7 +64,7 @@ def test_help_shows_no_noise_defaults():
 
 def test_refused_flags_stay_out_of_help_and_the_epilog_says_why():
     text = _help_text()
-    assert "--eval-iters" not in text and "--fp16" not in text
+    assert "--skip-train" not in text and "--fp16" not in text
     assert "one that asks for what this driver does not do is an error that says why" in " ".join(text.split())
 
 
