@@ -30,7 +30,8 @@ What it does, and why there:
   from the args as Megatron-LM builds it, and a refused value ends the run with one
   ``error:`` line naming it (exit status 2, as argparse), not a traceback after start-up.
   Megatron-LM's rule that local CUDA graphs at EP > 1 need an inference-only flag is left to
-  the patch set's own rule for its MoE graphs (``_training_graphs_at_ep``).
+  the patch set's own rule for its MoE graphs (``_training_graphs_at_ep``). The checkpoint
+  ``--load`` names is judged from its files there too (``check_load_before_start``).
 - Batches without host waits at TP 1: Megatron-LM's ``get_batch_on_this_tp_rank`` broadcasts
   each micro-batch within the tensor-parallel group and makes a device tensor from a host
   int on the way (the host waits for the GPU twice per micro-batch), even when the group is
@@ -190,7 +191,9 @@ def _checking_the_config(validate: Callable) -> Callable:
     def validate_and_check_the_config(args, *rest, **kwargs):
         with _training_graphs_at_ep(args):
             result = validate(args, *rest, **kwargs)
-        check_config_before_start(result if isinstance(result, argparse.Namespace) else args)
+        validated = result if isinstance(result, argparse.Namespace) else args
+        check_config_before_start(validated)
+        check_load_before_start(validated)
         return result
 
     return validate_and_check_the_config
@@ -229,9 +232,65 @@ def check_config_before_start(args: argparse.Namespace) -> None:
     try:
         core_transformer_config_from_args(args)
     except ValueError as error:
-        message = " ".join(str(error).split())
-        print(f"{os.path.basename(sys.argv[0] or 'pretrain_gpt.py')}: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _refuse(error)
+
+
+def check_load_before_start(args: argparse.Namespace) -> None:
+    """Judge the torch_dist checkpoint ``--load`` names from its files, as this package's
+    driver does before start-up (``checkpoint.on_disk``): a tracker that is no iteration
+    number or names an iteration that is missing or incomplete (``--ckpt-step``'s iteration
+    too), an unreadable directory, a missing checkpoint under --exit-on-missing-checkpoint,
+    and distributed-optimizer states saved in another expert parameter layout (F7's rule)
+    end the run with one ``error:`` line and exit status 2 instead of failing after start-up.
+    Other checkpoint formats and Megatron-LM's "release" checkpoints are left to Megatron-LM."""
+    from megatron.moe_patches.checkpoint import on_disk
+    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_FIELDS
+
+    root = getattr(args, "load", None)
+    if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist" or _names_a_release(root):
+        return
+    try:
+        step = getattr(args, "ckpt_step", None)
+        if step is not None:
+            path = on_disk.iteration_dir(root, step)
+            reason = on_disk.incomplete_reason(path)
+            if reason is not None:
+                raise on_disk.CheckpointError(f"--load {root} --ckpt-step {step}: {path} is not a complete "
+                                              f"checkpoint ({reason}); give --ckpt-step a saved iteration")
+        else:
+            path, missing = on_disk.find_checkpoint(root)
+            if path is None:
+                if getattr(args, "exit_on_missing_checkpoint", False):
+                    raise on_disk.CheckpointError(
+                        f"--load {root}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
+                        "checkpoint directory, or drop --exit-on-missing-checkpoint to train from scratch")
+                return  # Megatron-LM trains from scratch, and says so
+        if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
+            current = {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()}
+            refusal = on_disk.optimizer_layout_refusal(path, current)
+            if refusal is not None:
+                raise on_disk.CheckpointError(refusal)
+    except on_disk.CheckpointError as error:
+        _refuse(error)
+
+
+def _names_a_release(root: str) -> bool:
+    """Whether the tracker under ``root`` names Megatron-LM's "release" checkpoint (read as
+    the driver reads trackers: at most its first bytes)."""
+    from megatron.moe_patches.checkpoint.on_disk import TRACKER, TRACKER_READ_LIMIT
+
+    try:
+        with open(os.path.join(root, TRACKER), "rb") as tracker:
+            return tracker.read(TRACKER_READ_LIMIT + 1).strip() == b"release"
+    except OSError:
+        return False  # no tracker, or one find_checkpoint names the error of
+
+
+def _refuse(error: Exception) -> None:
+    """One ``<program>: error: ...`` line and exit status 2, as argparse ends a bad command."""
+    message = " ".join(str(error).split())
+    print(f"{os.path.basename(sys.argv[0] or 'pretrain_gpt.py')}: error: {message}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 # The batch keys Megatron-LM's get_batch_on_this_tp_rank returns, in its order (pretrain_gpt.py

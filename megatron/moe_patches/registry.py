@@ -456,7 +456,10 @@ MEGATRON_LM_WRAPS: Tuple[LoopWrap, ...] = (
     LoopWrap("validate_args", ("megatron.training.arguments", "megatron.training.initialize"),
              "Megatron-LM builds the config (whose checks hold the patch set's rules) only at model construction, "
              "after the GPUs start; the wrapper builds it when the args are validated, so a refused value is one "
-             "error line before start-up"),
+             "error line before start-up, and judges the --load checkpoint from its files there too (a missing or "
+             "incomplete iteration, optimizer states of another expert layout: failures after start-up in "
+             "Megatron-LM). Megatron-LM's rule that local graphs at EP > 1 need an inference-only flag is left to "
+             "the patch set's own rule for its MoE graphs"),
     LoopWrap("validate_yaml", ("megatron.training.yaml_arguments", "megatron.training.initialize"),
              "validate_args' twin for --yaml-cfg runs", optional=True),
     LoopWrap("get_batch_on_this_tp_rank", ("megatron.training.utils", "__main__"),

@@ -21,6 +21,7 @@ import os
 
 import pytest
 
+from megatron.moe_patches.checkpoint import on_disk  # where the tracker is read
 from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.driver.arguments import parse_args
 
@@ -90,7 +91,7 @@ def test_a_6_gb_tracker_is_refused_from_its_first_bytes(tmp_path, monkeypatch, r
         handle = builtins.open(path, *args, **kwargs)
         return Counted(handle) if os.path.basename(path) == checkpointing.TRACKER else handle
 
-    monkeypatch.setattr(checkpointing, "open", counted_open, raising=False)
+    monkeypatch.setattr(on_disk, "open", counted_open, raising=False)
     assert refused([*REQUIRED, "--load", str(root)]) == (
         f"the checkpoint tracker {tracker} holds {6 * 2**30} bytes, starting {chr(0) * 40!r}, {NOT_A_NUMBER}")
     assert asked and sum(asked) <= 2 * (checkpointing.TRACKER_READ_LIMIT + 1)
@@ -204,7 +205,7 @@ def test_an_unreadable_tracker_simulated(tmp_path, monkeypatch, refused):
             raise denied(path)
         return builtins.open(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "open", refusing, raising=False)
+    monkeypatch.setattr(on_disk, "open", refusing, raising=False)
     assert refused([*REQUIRED, "--load", str(root)]) == unreadable_tracker(tracker)
 
 

@@ -1,0 +1,370 @@
+"""What a torch_dist checkpoint directory holds, read from its files alone (CPU, no process
+group): usable before start-up, by this package's driver and by Megatron-LM's loop
+(``megatron_lm.enable()``), which both save Megatron-LM's directory layout.
+
+``find_checkpoint`` says what ``--load`` holds: a checkpoint, none (a reason: training starts
+from scratch), or an error naming the file and the fix (``--load`` is a file, the tracker
+names no saved iteration, or one that is not a complete checkpoint: ``incomplete_reason``
+reads megatron-core's config, the tensor index, the tensor files' lengths and the common
+state). ``read_common_state`` reads the common state in either form megatron-core writes it:
+a ``common.pt`` beside the torch_dist files (0.16.1) or, as megatron-core 0.19.2 saves it,
+one pickled object inside the torch_dist files. ``optimizer_layouts_saved_at`` reads the
+expert parameter layout the patched distributed optimizer recorded (F7), and
+``optimizer_layout_refusal`` applies that optimizer's rule to it.
+"""
+
+import io
+import json
+import os
+import re
+import stat
+from typing import List, Optional, Tuple
+
+TRACKER = "latest_checkpointed_iteration.txt"
+# The torch_dist item megatron-core 0.19.2 saves the common state as (a ShardedObject named
+# "common_state", of global shape (1,) at offset (0,), under its unique key); its bytes are
+# torch.save of a one-element list holding the common state dict.
+UPSTREAM_COMMON_KEY = "common_state/shard_0_1"
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+class CheckpointError(ValueError):
+    """A ``--load`` that cannot be used; the message names the file and the fix."""
+
+
+# The most of a tracker file that is read: an iteration number is a few digits, so a longer
+# file (it may be anything, gigabytes of it) is refused from its first bytes, never read whole.
+TRACKER_READ_LIMIT = 64
+
+
+def _os_error(err: OSError) -> str:
+    """What an OS error says went wrong, without the path it names (the message names it)."""
+    return err.strerror or type(err).__name__
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration the tracker file under ``root`` names; None without a tracker. At most
+    ``TRACKER_READ_LIMIT`` bytes of it are read: a longer one is not an iteration number."""
+    tracker = os.path.join(root, TRACKER)
+    cannot_read = f"cannot read the checkpoint tracker {tracker}"
+    fix = "give this user read access to it, or point --load elsewhere"
+    try:
+        if not stat.S_ISREG(os.stat(tracker).st_mode):
+            return None  # a directory of that name is no tracker
+        with open(tracker, "rb") as handle:
+            head = handle.read(TRACKER_READ_LIMIT + 1)
+            size = os.fstat(handle.fileno()).st_size
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise CheckpointError(f"{cannot_read}: {_os_error(err)}; {fix}") from None
+    not_a_number = ("not an iteration number: write the iteration of a saved checkpoint into it (e.g. 100 for "
+                    "iter_0000100) or point --load elsewhere")
+    if len(head) > TRACKER_READ_LIMIT:
+        start = head[:40].decode("utf-8", errors="replace")
+        raise CheckpointError(f"the checkpoint tracker {tracker} holds {max(size, len(head))} bytes, starting "
+                              f"{start!r}, {not_a_number}")
+    try:
+        text = head.decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{cannot_read}: {err}") from None
+    if not re.fullmatch(r"[0-9]+", text):
+        raise CheckpointError(f"the checkpoint tracker {tracker} holds {text[:40]!r}, {not_a_number}")
+    return int(text)
+
+
+# megatron-core's torch_dist files besides the tensor files: its checkpoint config (the last
+# file its save writes), the torch DCP index of the tensor files, and the common state
+# (iteration, scheduler, args; the first file written, by rank 0).
+CONFIG_FILE = "metadata.json"
+TENSOR_INDEX = ".metadata"
+COMMON_FILE = "common.pt"
+# Where save() writes an iteration before it has all of it (never loaded; the next save
+# removes it), and where it moves a complete iteration of that number aside while the new
+# one takes its name.
+INCOMPLETE = ".incomplete"
+REPLACED = ".replaced"
+SAVED_ITERATION = re.compile(r"iter_([0-9]{7,})")
+KILLED_SAVE = re.compile(r"iter_[0-9]{7,}" + re.escape(INCOMPLETE))
+REPLACED_COPY = re.compile(r"iter_[0-9]{7,}" + re.escape(REPLACED))
+
+
+def _read_error(err: BaseException) -> str:
+    """A read error on one short line: its type, and what it says went wrong."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", " ".join(str(err).split()))  # torch's message has terminal bold
+    if "WeightsUnpickler error:" in text:  # torch.load(weights_only=True): keep what it refused
+        text = text.split("WeightsUnpickler error:", 1)[1].split(" Please ")[0].split(" Check the documentation")[0]
+    text = text.strip().split(". ")[0][:200]  # the first sentence says what; the rest, what torch advises
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _config_problem(path: str) -> Optional[str]:
+    config = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config):
+        return f"no {CONFIG_FILE}, which megatron-core writes last: the save did not finish"
+    try:
+        with open(config, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, ValueError) as err:
+        return f"its {CONFIG_FILE} cannot be read ({_read_error(err)})"
+    backend = values.get("sharded_backend") if isinstance(values, dict) else None
+    if backend != "torch_dist":
+        return f"its {CONFIG_FILE} names the sharded backend {backend!r}; pretrain_gpt.py reads torch_dist"
+    return None
+
+
+def _tensor_index(path: str):
+    """(the torch DCP index of the tensor files, None) or (None, why it cannot be had)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(path, TENSOR_INDEX)):
+        return None, f"no {TENSOR_INDEX} (the index of its tensor files)"
+    try:
+        return FileSystemReader(path).read_metadata(), None
+    except Exception as err:  # a cut-short or foreign pickle raises any unpickling error
+        return None, f"its {TENSOR_INDEX} cannot be read ({_read_error(err)})"
+
+
+def _tensor_files_problem(path: str, index) -> Optional[str]:
+    """A tensor file the index names that is missing or shorter than the bytes it indexes there."""
+    needed = {}
+    for where in (getattr(index, "storage_data", None) or {}).values():
+        name = getattr(where, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), where.offset + where.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name}, a tensor file its {TENSOR_INDEX} names, is missing"
+        if os.path.getsize(file) < size:
+            return f"{name} is cut short ({os.path.getsize(file)} bytes, its {TENSOR_INDEX} indexes {size})"
+    return None
+
+
+def _common_state_problem(path: str, index) -> Optional[str]:
+    """The common state, read as ``load`` reads it (``read_common_state``), and whether it is a dict."""
+    if not os.path.isfile(os.path.join(path, COMMON_FILE)) and UPSTREAM_COMMON_KEY not in index.state_dict_metadata:
+        return f"no {COMMON_FILE} (its common state: iteration, scheduler, args)"
+    try:
+        common = read_common_state(path)
+    except Exception as err:  # torch.load's errors on cut-short or foreign bytes, CheckpointError
+        return f"its common state cannot be read ({_read_error(err)})"
+    if not isinstance(common, dict):
+        return f"its common state is a {type(common).__name__}, not a dict"
+    return None
+
+
+def incomplete_reason(path: str) -> Optional[str]:
+    """Why the iteration directory ``path`` is not a complete torch_dist checkpoint, or None.
+
+    Complete: megatron-core's config, the index of the tensor files, every tensor file it names
+    at the length it indexes, and a common state that reads back as ``load`` reads it. Reads
+    files only (CPU, no process group): usable before start-up.
+    """
+    if not os.path.isdir(path):
+        return "it is not a directory"
+    error = _unreadable(path)
+    if error is not None:
+        return f"it cannot be read: {_os_error(error)}"
+    if not os.listdir(path):
+        return "it is empty"
+    problem = _config_problem(path)
+    if problem is not None:
+        return problem
+    index, problem = _tensor_index(path)
+    if problem is not None:
+        return problem
+    return _tensor_files_problem(path, index) or _common_state_problem(path, index)
+
+
+def saved_iterations(root: str) -> List[int]:
+    """The iterations with an ``iter_NNNNNNN`` directory under ``root``, newest first."""
+    found = []
+    for name in os.listdir(root):
+        match = SAVED_ITERATION.fullmatch(name)
+        if match and os.path.basename(iteration_dir(root, int(match.group(1)))) == name:
+            found.append(int(match.group(1)))
+    return sorted(found, reverse=True)
+
+
+def newest_complete_iteration(root: str) -> Optional[int]:
+    """The newest iteration under ``root`` saved completely; None without one."""
+    for iteration in saved_iterations(root):
+        if incomplete_reason(iteration_dir(root, iteration)) is None:
+            return iteration
+    return None
+
+
+def _unusable_iteration(root: str, iteration: int, path: str) -> CheckpointError:
+    """The refusal of a tracker naming an iteration ``path`` cannot resume from, with the fix."""
+    tracker = os.path.join(root, TRACKER)
+    if os.path.lexists(path):
+        what = f"{path} is not a complete checkpoint ({incomplete_reason(path)})"
+    else:
+        what = f"{path} does not exist"
+    newest = newest_complete_iteration(root)
+    if newest is not None:
+        fix = (f"write {newest} into {TRACKER} to resume from {iteration_dir(root, newest)}, the newest "
+               "complete checkpoint there, or point --load at another checkpoint")
+    else:
+        fix = ("no complete checkpoint is there: point --load at another checkpoint, or at an empty "
+               "directory to train from scratch")
+    return CheckpointError(f"--load {root}: the checkpoint tracker {tracker} names iteration {iteration}, "
+                           f"but {what}; {fix}")
+
+
+def _unreadable(folder: str) -> Optional[OSError]:
+    """The OS error that listing the directory ``folder`` or looking up an entry in it raises
+    (no read or no execute permission); None where both work."""
+    try:
+        for name in os.listdir(folder)[:1]:
+            os.lstat(os.path.join(folder, name))
+    except OSError as err:
+        return err
+    return None
+
+
+def _check_readable(root: str, folder: str) -> None:
+    error = _unreadable(folder)
+    if error is not None:
+        raise CheckpointError(f"--load {root}: cannot read {folder}: {_os_error(error)}; give this user read and "
+                              "execute permission on it (chmod u+rx), or point --load elsewhere")
+
+
+def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the checkpoint directory ``--load root`` resumes from, None) or (None, why there is none).
+
+    No directory, an empty one or one without a tracker file is "no checkpoint" (Megatron-LM
+    trains from scratch then). A ``root`` that is a file, a tracker that is not an iteration
+    number, or one naming an iteration whose directory is missing or not a complete checkpoint
+    (``incomplete_reason``) raises CheckpointError naming the file and the fix, and so does
+    a ``root``, tracker or named iteration this user cannot read (the OS error named). A save
+    killed between its two renames (``_publish``) left the named iteration under its
+    ``.replaced`` name, complete: that is the checkpoint then.
+    """
+    try:
+        os.stat(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, "no such directory"
+    except OSError as err:  # a parent this user may not enter, a symlink loop
+        raise CheckpointError(f"--load {root}: cannot read it: {_os_error(err)}; give this user access to it and "
+                              "its parent directories, or point --load elsewhere") from None
+    if not os.path.isdir(root):
+        raise CheckpointError(
+            f"--load {root} is a file, not a checkpoint directory: point --load at the directory "
+            f"that holds {TRACKER} and the iter_* directories"
+        )
+    _check_readable(root, root)
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None, "the directory is empty" if not os.listdir(root) else f"no checkpoint there (no {TRACKER})"
+    path = iteration_dir(root, iteration)
+    if os.path.isdir(path):
+        _check_readable(root, path)
+    if os.path.lexists(path):
+        if incomplete_reason(path) is None:
+            return path, None
+    elif os.path.isdir(path + REPLACED) and incomplete_reason(path + REPLACED) is None:
+        return path + REPLACED, None
+    raise _unusable_iteration(root, iteration, path)
+
+
+
+def read_common_state(path: str) -> dict:
+    """The common state (args, iteration, scheduler, ...) of the torch_dist checkpoint at
+    ``path``, on CPU without a process group, whichever megatron-core saved it.
+
+    A ``common.pt`` there is read by megatron-core's own ``load_common_state_dict``.
+    Without one, the state is the ``UPSTREAM_COMMON_KEY`` item of the torch_dist files
+    (megatron-core 0.19.2 writes no common.pt, and 0.16.1's reader looks only for that
+    file); it is read with torch.distributed.checkpoint and unpickled with
+    ``weights_only=True``, so only the types torch and megatron-core allow (megatron-core
+    registers argparse.Namespace and its own enums on import) come back. A directory
+    holding neither raises CheckpointError.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    if os.path.isfile(os.path.join(path, COMMON_STATE_FNAME)):
+        return dist_checkpointing.load_common_state_dict(path)
+
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    neither = CheckpointError(
+        f"{path} holds no common state: neither {COMMON_STATE_FNAME} nor a torch_dist "
+        f"'{UPSTREAM_COMMON_KEY}' item (the save did not finish, or it is not a megatron-core "
+        "torch_dist checkpoint); point --load at a complete one"
+    )
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except FileNotFoundError:  # no .metadata: not torch_dist files at all
+        raise neither from None
+    if not isinstance(metadata.state_dict_metadata.get(UPSTREAM_COMMON_KEY), BytesStorageMetadata):
+        raise neither
+
+    class KeepBytes(DefaultLoadPlanner):
+        # The default planner unpickles saved bytes with weights_only=False (any object);
+        # keep them raw, to unpickle below with the allow-list.
+        def load_bytes(self, read_item, value):
+            self.saved = value.getvalue()
+
+    planner = KeepBytes(flatten_state_dict=False)
+    dcp_load({UPSTREAM_COMMON_KEY: io.BytesIO()}, storage_reader=FileSystemReader(path), planner=planner,
+             no_dist=True)
+    try:
+        saved = torch.load(io.BytesIO(planner.saved), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # a type outside the allow-list: name it, on one line
+        reason = " ".join(str(err).split())[:300]
+        raise CheckpointError(
+            f"the common state of {path} holds objects that are not safe to load ({reason}); "
+            "load it with the megatron-core version that saved it"
+        ) from None
+    if not (isinstance(saved, list) and len(saved) == 1 and isinstance(saved[0], dict)):
+        raise CheckpointError(
+            f"the '{UPSTREAM_COMMON_KEY}' item of {path} is not a common state dict (a "
+            f"{type(saved).__name__}); point --load at a checkpoint saved by megatron-core"
+        )
+    return saved[0]
+
+
+
+def optimizer_layouts_saved_at(path: str) -> list:
+    """(sharding type, recorded expert parameter layout or None) of each distributed optimizer
+    whose states the checkpoint at ``path`` holds, from its common state (CPU, no process
+    group: usable before start-up); a chained optimizer (EP > 1: dense and expert) gives one
+    pair per optimizer."""
+    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_KEY
+
+    found = []
+
+    def visit(node, depth):
+        if not isinstance(node, dict) or depth > 4:  # a chain nests optimizers by index, shallowly
+            return
+        if "param_state_sharding_type" in node:
+            found.append((node["param_state_sharding_type"], node.get(LAYOUT_KEY)))
+            return
+        for value in node.values():
+            visit(value, depth + 1)
+
+    visit(read_common_state(path).get("optimizer"), 0)
+    return found
+
+
+def optimizer_layout_refusal(path: str, current: dict) -> Optional[str]:
+    """Why the distributed-optimizer states saved at ``path`` cannot load into a run whose
+    expert parameter layout is ``current`` (``optimizer_state.LAYOUT_FIELDS``' values), or
+    None: the patched optimizer's own rule (F7), read from the files before start-up."""
+    from megatron.moe_patches.checkpoint.optimizer_state import bucket_layout_refusal
+
+    for sharding_type, saved in optimizer_layouts_saved_at(path):
+        refusal = bucket_layout_refusal(sharding_type, saved, current)
+        if refusal is not None:
+            return f"--load {path}: {refusal}"
+    return None

@@ -1,0 +1,99 @@
+"""Megatron-LM's loop judges the checkpoint --load names before start-up, from its files, as
+this package's driver does (``megatron_lm.check_load_before_start``, run where Megatron-LM
+validates its args): an incomplete or missing iteration (the tracker's or --ckpt-step's), a
+missing checkpoint under --exit-on-missing-checkpoint, and flat optimizer states saved in
+another expert parameter layout end the run with one error line and exit status 2. What
+Megatron-LM loads as it is (no checkpoint, a matching one, --no-load-optim, other formats,
+"release" trackers) passes."""
+
+import argparse
+import shutil
+
+import pytest
+
+from megatron.moe_patches import megatron_lm
+from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_KEY
+from megatron.moe_patches.fields import PATCH_FIELDS
+
+import checkpoint_files
+from fake_megatron_lm import MEGATRON_LM_MODULES
+from fake_megatron_lm import fake_training as install_fake_training, nothing_enabled  # noqa: F401  (autouse)
+
+GROUPED = {"moe_single_grouped_weight": True, "moe_single_grouped_bias": False, "moe_mlp_glu_interleave_size": None}
+
+
+@pytest.fixture
+def initialize(monkeypatch):
+    """Megatron-LM's initialize_megatron (a stand-in) after enable(); returns the error line
+    of a refused run, or None where the run goes on."""
+    package = install_fake_training(monkeypatch, MEGATRON_LM_MODULES)
+    megatron_lm.enable()
+    monkeypatch.setattr(megatron_lm, "check_config_before_start", lambda args: None)  # not judged here
+
+    def run(capsys, **given):
+        defaults = {f.name: f.default for f in PATCH_FIELDS}
+        args = argparse.Namespace(**{**defaults, "use_checkpoint_args": False, "ckpt_format": "torch_dist",
+                                     "ckpt_step": None, "no_load_optim": False, "finetune": False,
+                                     "exit_on_missing_checkpoint": False, **given})
+        try:
+            package.initialize.initialize_megatron(args)
+        except SystemExit as exited:
+            assert exited.code == 2
+            lines = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+            assert len(lines) == 1, lines
+            return lines[0].split(": error: ", 1)[1]
+        return None
+
+    yield run
+    megatron_lm.disable()
+
+
+def optimizer_state(sharding_type, layout):
+    return {"optimizer": {"param_groups": []}, "param_state_sharding_type": sharding_type, LAYOUT_KEY: layout}
+
+
+def test_a_tracker_naming_a_missing_iteration_is_refused_with_the_newest_complete_one(tmp_path, capsys, initialize):
+    root = checkpoint_files.checkpoint_root(tmp_path / "ckpt", iteration=4)
+    (root / "latest_checkpointed_iteration.txt").write_text("8")
+    line = initialize(capsys, load=str(root))
+    assert line.startswith(f"--load {root}: the checkpoint tracker") and "iteration 8" in line
+    assert "write 4 into latest_checkpointed_iteration.txt" in line
+
+
+def test_an_incomplete_ckpt_step_is_refused(tmp_path, capsys, initialize):
+    root = checkpoint_files.checkpoint_root(tmp_path / "ckpt", iteration=4)
+    (root / "iter_0000002").mkdir()
+    line = initialize(capsys, load=str(root), ckpt_step=2)
+    assert line == (f"--load {root} --ckpt-step 2: {root / 'iter_0000002'} is not a complete checkpoint (it is "
+                    "empty); give --ckpt-step a saved iteration")
+    assert initialize(capsys, load=str(root), ckpt_step=4) is None
+
+
+def test_exit_on_missing_checkpoint_is_said_before_start_up(tmp_path, capsys, initialize):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert initialize(capsys, load=str(empty)) is None  # Megatron-LM trains from scratch
+    line = initialize(capsys, load=str(empty), exit_on_missing_checkpoint=True)
+    assert line.startswith(f"--load {empty}: the directory is empty, and --exit-on-missing-checkpoint is set")
+
+
+def test_flat_optimizer_states_of_another_layout_are_refused_naming_the_flag(tmp_path, capsys, initialize):
+    root = checkpoint_files.checkpoint_root(tmp_path / "ckpt", common={
+        "iteration": 4, "args": {}, "optimizer": optimizer_state("dp_reshardable", GROUPED)})
+    line = initialize(capsys, load=str(root))  # this run: per-expert weights
+    assert line.startswith(f"--load {root / 'iter_0000004'}: the checkpoint's dp_reshardable")
+    assert "--moe-single-grouped-weight True (checkpoint) vs False (now)" in line
+    assert initialize(capsys, load=str(root), moe_single_grouped_weight=True) is None  # the same layout
+    assert initialize(capsys, load=str(root), no_load_optim=True) is None  # the states are not loaded
+    assert initialize(capsys, load=str(root), finetune=True) is None
+
+
+def test_what_megatron_lm_reads_its_own_way_is_left_to_it(tmp_path, capsys, initialize):
+    release = tmp_path / "release-ckpt"
+    release.mkdir()
+    (release / "latest_checkpointed_iteration.txt").write_text("release\n")
+    assert initialize(capsys, load=str(release)) is None
+    broken = checkpoint_files.checkpoint_root(tmp_path / "ckpt", iteration=4)
+    shutil.rmtree(broken / "iter_0000004")
+    assert initialize(capsys, load=str(broken), ckpt_format="torch") is None  # another format: not these files
+    assert initialize(capsys, load=str(broken)) is not None  # torch_dist: judged
