@@ -98,6 +98,31 @@ class MoEPlan:
         names = [name for name, _ in self.backend_support]
         return self.backend_support[:names.index(self.backend.name)]
 
+    def lines(self) -> Tuple[str, ...]:
+        """The plan as a reader wants it: each decision, then why the alternatives were not taken."""
+        padding = self.padding
+        exchange = self.exchange
+        said = [
+            f"expert backend: {self.backend.name}",
+            *(f"  not {name}: {reason}" for name, reason in self.backend_refusals),
+            "padding: none" if padding.align is None else
+            f"padding: each expert's rows to a multiple of {padding.align}, by the {padding.padded_by}"
+            + (f" ({padding.reason})" if padding.reason else "")
+            + (", static row count" if padding.static_rows else ""),
+            f"exchange: {exchange.name}" + (f" (not symmetric memory: {exchange.reason})" if exchange.reason else "")
+            + f"; token counts on the {'device' if exchange.device_counts else 'host'}"
+            + ("; rows arrive grouped by local expert" if exchange.skips_chunk_sort else ""),
+            f"parallel sizes: EP {self.ep_size}, expert TP {self.expert_tp_size}",
+            "CUDA graph of the MoE layer: " + ("can be captured" if self.graph_blocker is None
+                                                else f"no: {self.graph_blocker}"),
+            "single grouped parameters: " + ("can be held" if self.single_grouped_refusal is None
+                                             else f"no: {self.single_grouped_refusal}"),
+            f"weight gradients into main_grad in the GEMM: {'yes' if self.wgrad_into_main_grad else 'no'}",
+        ]
+        if self.te_device_splits:
+            said.append("TE's GroupedLinear takes the device token counts")
+        return tuple(said) + tuple(f"note: {line}" for _, line in self.notes)
+
     def log_choices(self) -> None:
         """Say, once per process, each fallback from what the config asked for."""
         for level, line in self.notes:

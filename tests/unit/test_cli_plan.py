@@ -1,0 +1,45 @@
+"""``megatron-moe-patches plan PRETRAIN_FLAGS...``: the plan of the config pretrain_gpt.py
+builds from its flags, on this machine (CPU here: no Hopper GPU, no TE), each decision with
+its reason; a bad flag is refused as pretrain_gpt.py refuses it."""
+
+import pytest
+
+from megatron.moe_patches.__main__ import main
+
+RUN = ["--yaml-cfg", "qwen3-30b-a3b-proxy", "--train-iters", "20"]
+
+
+def plan_lines(capsys, *flags):
+    assert main(["plan", *flags]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_the_proxy_recipes_plan(capsys, reverted):
+    lines = plan_lines(capsys, *RUN, "--cuda-graph-impl", "local", "--cuda-graph-scope", "moe")
+    assert lines[0].startswith("expert backend: ")
+    assert "exchange: alltoall; token counts on the device; rows arrive grouped by local expert" in lines
+    assert "CUDA graph of the MoE layer: can be captured" in lines
+    assert "parallel sizes: EP 1, expert TP 1" in lines
+
+
+def test_what_blocks_a_graph_and_the_preferred_backends_is_named(capsys, reverted):
+    lines = plan_lines(capsys, "--yaml-cfg", "tiny-moe", "--train-iters", "20")  # counts to the host
+    assert lines[0] == "expert backend: te"
+    assert "  not grouped_mm: moe_device_tokens_per_expert is off" in lines
+    assert "exchange: alltoall; token counts on the host" in lines
+    assert ("CUDA graph of the MoE layer: no: the MoE layer copies token counts to the host: set "
+            "--moe-device-tokens-per-expert") in lines
+
+
+def test_a_model_without_experts_has_nothing_to_plan(capsys, reverted):
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "1",
+             "--train-iters", "4", "--lr", "1e-3", "--mock-data"]
+    assert plan_lines(capsys, *flags) == ["no MoE layer (--num-experts is not set): nothing to plan"]
+
+
+def test_a_bad_flag_is_refused_as_pretrain_gpt_refuses_it(capsys, reverted):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", *RUN, "--moe-router-topk", "0"])
+    assert exited.value.code == 2
+    assert "megatron-moe-patches plan: error: --moe-router-topk" in capsys.readouterr().err
