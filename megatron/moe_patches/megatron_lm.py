@@ -240,7 +240,8 @@ def check_load_before_start(args: argparse.Namespace) -> None:
     driver does before start-up (``checkpoint.on_disk``): a tracker that is no iteration
     number or names an iteration that is missing or incomplete (``--ckpt-step``'s iteration
     too), an unreadable directory, a missing checkpoint under --exit-on-missing-checkpoint,
-    and distributed-optimizer states saved in another expert parameter layout (F7's rule)
+    saved args that give the model other shapes (without --use-checkpoint-args), and
+    distributed-optimizer states saved in another expert parameter layout (F7's rule)
     end the run with one ``error:`` line and exit status 2 instead of failing after start-up.
     Other checkpoint formats and Megatron-LM's "release" checkpoints are left to Megatron-LM."""
     from megatron.moe_patches.checkpoint import on_disk
@@ -265,6 +266,8 @@ def check_load_before_start(args: argparse.Namespace) -> None:
                         f"--load {root}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
                         "checkpoint directory, or drop --exit-on-missing-checkpoint to train from scratch")
                 return  # Megatron-LM trains from scratch, and says so
+        if not getattr(args, "use_checkpoint_args", False):
+            _check_model_shape(args, path, on_disk)
         if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
             current = {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()}
             refusal = on_disk.optimizer_layout_refusal(path, current)
@@ -272,6 +275,45 @@ def check_load_before_start(args: argparse.Namespace) -> None:
                 raise on_disk.CheckpointError(refusal)
     except on_disk.CheckpointError as error:
         _refuse(error)
+
+
+# The args that give the model's tensors their shapes, as Megatron-LM's validate_args leaves
+# them (derived sizes filled in); query groups count only with --group-query-attention.
+MODEL_SHAPE = {
+    "num_layers": lambda a: a.num_layers,
+    "hidden_size": lambda a: a.hidden_size,
+    "ffn_hidden_size": lambda a: a.ffn_hidden_size,
+    "num_attention_heads": lambda a: a.num_attention_heads,
+    "num_query_groups": lambda a: a.num_query_groups if a.group_query_attention else a.num_attention_heads,
+    "kv_channels": lambda a: a.kv_channels,
+    "swiglu": lambda a: bool(a.swiglu),
+    "num_experts": lambda a: a.num_experts,
+    "moe_ffn_hidden_size": lambda a: a.moe_ffn_hidden_size,
+    "moe_shared_expert_intermediate_size": lambda a: a.moe_shared_expert_intermediate_size,
+}
+
+
+def _check_model_shape(args: argparse.Namespace, path: str, on_disk) -> None:
+    """Refuse a checkpoint whose saved args (Megatron-LM's Namespace) give the model other
+    shapes than this run's flags: its load would fail after start-up, tensor by tensor."""
+    try:
+        saved = on_disk.read_common_state(path).get("args")
+    except Exception:  # noqa: BLE001 - an unreadable common state: find_checkpoint named it already
+        return
+    if not isinstance(saved, argparse.Namespace):
+        return  # saved by another program (this package's driver saves a dict): not comparable here
+    differ = []
+    for name, value_of in MODEL_SHAPE.items():
+        try:
+            theirs, ours = value_of(saved), value_of(args)
+        except AttributeError:  # an arg an older Megatron-LM did not save
+            continue
+        if theirs != ours:
+            differ.append(f"--{name.replace('_', '-')} {theirs} (checkpoint) vs {ours} (now)")
+    if differ:
+        raise on_disk.CheckpointError(
+            f"--load {path}: the checkpoint holds another model: {'; '.join(differ)}; give the checkpoint's "
+            "sizes, add --use-checkpoint-args to take them from it, or point --load at a checkpoint of this model")
 
 
 def _names_a_release(root: str) -> bool:

@@ -1,8 +1,8 @@
 """Megatron-LM's loop judges the checkpoint --load names before start-up, from its files, as
 this package's driver does (``megatron_lm.check_load_before_start``, run where Megatron-LM
 validates its args): an incomplete or missing iteration (the tracker's or --ckpt-step's), a
-missing checkpoint under --exit-on-missing-checkpoint, and flat optimizer states saved in
-another expert parameter layout end the run with one error line and exit status 2. What
+missing checkpoint under --exit-on-missing-checkpoint, saved args of another model shape and
+flat optimizer states saved in another expert parameter layout end the run with one error line and exit status 2. What
 Megatron-LM loads as it is (no checkpoint, a matching one, --no-load-optim, other formats,
 "release" trackers) passes."""
 
@@ -97,3 +97,24 @@ def test_what_megatron_lm_reads_its_own_way_is_left_to_it(tmp_path, capsys, init
     shutil.rmtree(broken / "iter_0000004")
     assert initialize(capsys, load=str(broken), ckpt_format="torch") is None  # another format: not these files
     assert initialize(capsys, load=str(broken)) is not None  # torch_dist: judged
+
+
+SHAPE = dict(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, group_query_attention=False,
+             num_query_groups=1, kv_channels=64, swiglu=False, num_experts=8, moe_ffn_hidden_size=128,
+             moe_shared_expert_intermediate_size=None)
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_each_flag(tmp_path, capsys, initialize):
+    saved = argparse.Namespace(**{**SHAPE, "hidden_size": 512, "num_experts": 16})  # Megatron-LM saves its args
+    root = checkpoint_files.checkpoint_root(tmp_path / "ckpt", common={"iteration": 4, "args": saved})
+    line = initialize(capsys, load=str(root), **SHAPE)
+    assert line == (f"--load {root / 'iter_0000004'}: the checkpoint holds another model: --hidden-size 512 "
+                    "(checkpoint) vs 256 (now); --num-experts 16 (checkpoint) vs 8 (now); give the checkpoint's "
+                    "sizes, add --use-checkpoint-args to take them from it, or point --load at a checkpoint of "
+                    "this model")
+    assert initialize(capsys, load=str(root), **{**SHAPE, "use_checkpoint_args": True}) is None
+    # num_query_groups counts only with --group-query-attention; an arg not saved is not compared
+    same = argparse.Namespace(**{k: v for k, v in SHAPE.items() if k != "moe_ffn_hidden_size"}, )
+    same.num_query_groups = 2
+    other = checkpoint_files.checkpoint_root(tmp_path / "other", common={"iteration": 4, "args": same})
+    assert initialize(capsys, load=str(other), **SHAPE) is None
