@@ -5,6 +5,7 @@ by hand from Megatron-LM's rules (written in each test)."""
 
 import argparse
 import math
+import os
 import re
 import types
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.moe_patches.driver import arguments, training
+from megatron.moe_patches.driver import arguments, megatron_lm_flags, training
 
 from driver_model import MODEL
 
@@ -282,7 +283,12 @@ def test_a_recipe_mixing_units_names_the_key(tmp_path, refused):
 # --- every key of Megatron-LM's examples/gpt3/gpt_config.yaml --------------------------------
 
 # Keys of that file no value of which this driver takes: not a setting of Megatron-LM 0.16.1.
-UNKNOWN_KEYS = {"standalone_embedding_stage"}
+# The keys Megatron-LM's example sets to values that change nothing on the driver's runs: each is
+# accepted with a one-line note (the file's line, the key, the flag and why). The fixture gives
+# each such a value; add_position_embedding false and align_param_gather false go without one
+# (with rope, and without --overlap-param-gather, Megatron-LM reads neither).
+NOTED = {"save_interval": "changes nothing without --save", "standalone_embedding_stage": "no such flag",
+         "enable_one_logger": "does not run Megatron-LM's one-logger"}
 
 
 def _keys(path):
@@ -302,21 +308,29 @@ def test_the_file_sets_every_key_of_megatron_lms_example():
         assert key in keys
 
 
+def _reaches_the_gpu_check(argv, monkeypatch, capsys):
+    """Run the driver's main on ``argv`` on this CPU machine: it must stop at the GPU check,
+    every setting accepted. Returns the warnings it printed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        training.main(argv)
+    assert stopped.value.code == "pretrain_gpt.py needs a CUDA GPU (Transformer Engine and NCCL); none is visible here."
+    err = capsys.readouterr().err
+    assert "error" not in err, err
+    return [line for line in err.splitlines() if line.startswith("pretrain_gpt.py: warning: ")]
+
+
 def test_every_key_is_honoured_or_refused_as_the_table_says(tmp_path, monkeypatch, capsys, refused):
     text = EVERY_KEY.read_text()
-    problems = [line for line in refused(["--yaml-cfg", str(EVERY_KEY)]).splitlines()]
-    err = problems + [line[len("pretrain_gpt.py: error: "):] for line in capsys.readouterr().err.splitlines()[1:]]
-    assert {re.search(r"'(\w+)'", line).group(1) for line in err} == UNKNOWN_KEYS
-
-    recipe = tmp_path / "runs.yaml"
-    recipe.write_text("".join(line + "\n" for line in text.splitlines()
-                              if not any(line.startswith(f"{key}:") for key in UNKNOWN_KEYS)))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit) as stopped:
-        training.main(["--yaml-cfg", str(recipe)])
-    assert stopped.value.code == "pretrain_gpt.py needs a CUDA GPU (Transformer Engine and NCCL); none is visible here."
-
-    args = arguments.parse_args(["--yaml-cfg", str(recipe)])
+    warnings = _reaches_the_gpu_check(["--yaml-cfg", str(EVERY_KEY)], monkeypatch, capsys)
+    lines = {key: number for number, line in enumerate(text.splitlines(), 1) for key in NOTED
+             if line.startswith(f"{key}:")}
+    for key, why in NOTED.items():
+        assert [line for line in warnings if f"{EVERY_KEY}:{lines[key]}: '{key}'" in line and why in line], key
+    args = arguments.parse_args(["--yaml-cfg", str(EVERY_KEY)])
+    assert (args.log_throughput, args.save_interval, args.save) == (False, 50, None)
+    assert not {"add_position_embedding", "align_param_gather", "enable_one_logger"} & set(vars(args))
     # (16 - 4) / 4 = 3 increments of 32 samples: 4 while below 32 (8 iterations, to 32), 8 (4, to 64),
     # 12 while not past 96 (3: to 100), then (400 - 100) // 16 = 18 full batches
     assert args.train_iters == 8 + 4 + 3 + 18
@@ -343,3 +357,46 @@ def test_every_key_is_honoured_or_refused_as_the_table_says(tmp_path, monkeypatc
     )
     assert [i for i in range(1, args.train_iters + 1) if training.evaluates_after(args, i)] == [10, 20, 30]
     assert training.split_samples(args) == [400, (33 // 10 + 1) * 2 * 16, 2 * 16]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"standalone_embedding_stage": "True"}, f"'standalone_embedding_stage' true: "
+     f"{megatron_lm_flags.STANDALONE_EMBEDDING_STAGE}"),
+    ({"position_embedding_type": "learned_absolute"},
+     f"'add_position_embedding' (--no-position-embedding): {megatron_lm_flags.LEGACY_POSITION_EMBEDDING}"),
+    ({"overlap_param_gather": "True"},
+     f"'align_param_gather' (--no-align-param-gather): {megatron_lm_flags.PARAM_GATHER_OVERLAP}"),
+])
+def test_the_noted_keys_are_refused_where_they_would_ask_for_something(changes, message, tmp_path, capsys):
+    """The same file with one setting changed so that a key it accepts above asks for what the
+    driver does not do: refused by name (file, line, key, flag) with the reason."""
+    lines = EVERY_KEY.read_text().splitlines()
+    for key, value in changes.items():
+        lines = [f"{key}: {value}" if line.startswith(f"{key}:") else line for line in lines]
+    recipe = tmp_path / "changed.yaml"
+    recipe.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        arguments.parse_args(["--yaml-cfg", str(recipe)])
+    errors = capsys.readouterr().err.splitlines()
+    key = re.search(r"'(\w+)'", message).group(1)
+    line = next(number for number, text in enumerate(lines, 1) if text.startswith(f"{key}:"))
+    assert f"pretrain_gpt.py: error: {recipe}:{line}: {message}" in errors, errors
+
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+GPT_CONFIG = Path(MEGATRON_LM or ".") / "examples" / "gpt3" / "gpt_config.yaml"
+
+
+@pytest.mark.skipif(not MEGATRON_LM or not GPT_CONFIG.is_file(),
+                    reason="needs MEGATRON_LM_PATH naming a Megatron-LM core_v0.16.1 checkout (its "
+                    "examples/gpt3/gpt_config.yaml)")
+def test_megatron_lms_own_gpt_config_runs_unedited(monkeypatch, capsys):
+    """Megatron-LM's examples/gpt3/gpt_config.yaml as it ships, with the data and tokenizer on the
+    command line: every key accepted, the ones that change nothing here with a note each."""
+    argv = ["--yaml-cfg", str(GPT_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4095"]
+    warnings = _reaches_the_gpu_check(argv, monkeypatch, capsys)
+    for key, why in NOTED.items():
+        assert [line for line in warnings if f"'{key}'" in line and why in line], (key, warnings)
+    args = arguments.parse_args(argv)
+    assert (args.log_throughput, args.position_embedding_type, args.save) == (False, "rope", None)

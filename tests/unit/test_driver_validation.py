@@ -66,10 +66,21 @@ MOE = [*RUN, *MOE_MODEL]
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 exceeds --num-experts 4"),
     (["--num-experts", "4", "--moe-router-padding-for-quantization", "--moe-token-dispatcher-type", "alltoall"],
      "--moe-router-padding-for-quantization needs --fp8-format (it pads for FP8 GEMMs)"),
-    (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint needs --load (the checkpoint directory)"),
 ])
 def test_bad_flags_are_refused_before_start_up(argv, message, refused):
     assert refused([*REQUIRED, *argv]) == message
+
+
+@pytest.mark.parametrize("argv, note", [
+    (["--save-interval", "10"], "--save-interval 10: changes nothing without --save, as in Megatron-LM: drop it, or give "
+     "--save"),
+    (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint True: changes nothing without --load, as in "
+     "Megatron-LM: drop it, or give --load"),
+])
+def test_settings_megatron_lm_reads_only_with_another_are_noted_without_it(argv, note, parsed, capsys):
+    args = parsed([*REQUIRED, *argv])
+    assert f"pretrain_gpt.py: warning: {note}" in capsys.readouterr().err.splitlines()
+    assert args.save is None and args.load is None
 
 
 def test_megatron_lm_required_flags_are_required(refused):

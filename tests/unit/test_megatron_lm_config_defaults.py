@@ -132,10 +132,18 @@ def test_wandb_is_still_refused_where_it_would_log(refused):
         f"--wandb-exp-name: {megatron_lm_flags.WANDB}")
 
 
-def test_log_throughput_false_is_refused_in_words_that_fit_it(refused, tmp_path):
-    message = refused([*REQUIRED, *recipe(tmp_path, "log_throughput: false\n")])
-    assert message.endswith(f"'log_throughput' (--log-throughput): {megatron_lm_flags.ALWAYS_LOGS_THROUGHPUT}")
-    assert "what the flag asks for" not in message and "cannot leave it out" in message
+def test_log_throughput_false_leaves_the_throughput_out(parsed, tmp_path, monkeypatch):
+    """The driver logs it by default; a recipe's false leaves it out of the log line and the
+    TensorBoard scalars, as Megatron-LM does without --log-throughput."""
+    monkeypatch.setattr(training, "model_flops_per_token", lambda args: 1e9)
+    for argv, logged in (([], True), (["--log-throughput"], True),
+                         (recipe(tmp_path, "log_throughput: false\n"), False)):
+        args = parsed([*REQUIRED, *argv])
+        assert args.log_throughput is logged
+        metrics = training.iteration_metrics(args, 1, {"iteration": 0.5}, 1e-3, 2.5, 0.75, 1, 0, 0)
+        line = training._log_line(args, 1, metrics, 0.0)
+        assert ({"throughput", "tokens-per-sec"} <= set(metrics)) is logged
+        assert ("throughput per GPU (TFLOP/s/GPU)" in line and "tokens/s" in line) is logged, line
 
 
 @pytest.mark.parametrize("extra, fix", [

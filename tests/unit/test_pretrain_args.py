@@ -72,7 +72,6 @@ def test_unknown_flag_and_contradictions(capsys):
         (["--fp8-format", "e4m3"], "--fp8-format needs --bf16"),
         (["--mock-data", "--data-path", "x"], "contradict each other"),
         (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
-        (["--save-interval", "10"], "--save-interval needs --save"),
         (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
         (["--micro-batch-size", "4", "--global-batch-size", "6"], "must be a multiple of"),
         (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "divisible by"),

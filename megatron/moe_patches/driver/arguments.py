@@ -363,6 +363,10 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
             "Count the zero entries of the gradients (the optimizer's main grads, before "
             "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
             "scalar num-zeros (adds a GPU sync)."),
+        _on("--log-throughput",
+            "Log the throughput (TFLOP/s per GPU and tokens/s) each logged iteration and as the "
+            "TensorBoard scalars throughput and tokens-per-sec. On by default here (Megatron-LM's "
+            "default is off): a recipe's log_throughput: false leaves it out.", default=True),
         _opt("--eval-interval", int, None,
              "Evaluate on the validation split every this many iterations, and once more at the end "
              "(default: no evaluation)."),
@@ -588,7 +592,7 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     # The checks of each setting on its own: every problem found, then all printed together.
     given = given_settings(parser, argv, recipe)
     problems = parser.pending + megatron_lm_flags.all_refusals(args, given)
-    notes = megatron_lm_flags.no_effect_notes(args, given)
+    notes = [*recipe.notes, *megatron_lm_flags.no_effect_notes(args, given)]
     megatron_lm_flags.drop_refused(args)
     problems += given_value_problems(args)
     if problems:
@@ -677,10 +681,8 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
     Returns the checkpoint directory or None.
     """
     if not args.load:
-        for flag, dest in (("--use-checkpoint-args", "use_checkpoint_args"),
-                           ("--exit-on-missing-checkpoint", "exit_on_missing_checkpoint")):
-            if getattr(args, dest, False):
-                raise ValueError(f"{flag} needs --load (the checkpoint directory)")
+        if getattr(args, "use_checkpoint_args", False):
+            raise ValueError("--use-checkpoint-args needs --load (the checkpoint directory)")
         return None
     path, missing = checkpointing.find_checkpoint(args.load)
     if path is None:
@@ -1128,10 +1130,6 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     if args.tensorboard_dir and not _tensorboard_installed():
         raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
                          "(or this package's 'tensorboard' extra), or drop --tensorboard-dir")
-    if getattr(args, "exit_on_missing_checkpoint", False) and not args.load:
-        raise ValueError("--exit-on-missing-checkpoint needs --load (the checkpoint directory)")
-    if args.save_interval is not None and not args.save:
-        raise ValueError("--save-interval needs --save")
     if args.cuda_graph_impl != "none" and (args.cuda_graph_scope or []) != ["moe"]:
         scope = " ".join(args.cuda_graph_scope or ["(the whole layer)"])
         raise ValueError(f"--cuda-graph-impl {args.cuda_graph_impl} --cuda-graph-scope {scope}: this "

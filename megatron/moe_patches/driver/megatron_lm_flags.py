@@ -6,8 +6,11 @@ dest (the name Megatron-LM's YAML configs use), Megatron-LM's default and how ar
 reads the flag, then its status here:
 
 - supported (no ``refused``): ``arguments.py`` defines the flag with Megatron-LM's default
-  and the driver does what Megatron-LM does with it. ``refused_values`` names the values
-  of a supported flag that this driver does not offer, each with the reason.
+  (``runs_as`` where this driver's default differs: it logs the throughput unless told not
+  to) and the driver does what Megatron-LM does with it. ``refused_values`` names the values
+  of a supported flag that this driver does not offer, each with the reason; ``only_with``
+  the setting without which Megatron-LM reads none of its values (--save-interval without
+  --save): a value given without it is accepted with a one-line note saying so.
 - refused: ``add_refused_flags`` gives the parser the flag with Megatron-LM's syntax, so a
   launch script's command line parses as it does there, and ``all_refusals`` turns a
   value other than the one this driver runs with (``runs_as``: Megatron-LM's default
@@ -16,7 +19,9 @@ reads the flag, then its status here:
   it is accepted with is what the driver does anyway. ``also_accepts`` names other values
   that change nothing either (W&B's empty project), and ``only_with`` the setting without
   which Megatron-LM reads none of its values (the TensorBoard switches without
-  --tensorboard-dir): without it, every value is accepted.
+  --tensorboard-dir), ``unread_with`` a (dest, value) with which it reads none of them
+  (--no-position-embedding with --position-embedding-type rope): without the one or with
+  the other, every value is accepted.
 - no effect (``no_effect``): every value is accepted, as none changes this driver's run
   (``--num-workers``); a value other than ``runs_as`` gets a one-line note saying why.
 
@@ -138,7 +143,8 @@ class MegatronLMFlag:
     runs_as: Any = MEGATRON_LM_DEFAULT  # refused flags: the one value this driver runs with
     refused_values: Mapping[Any, str] = dataclasses.field(default_factory=dict)  # supported flags
     also_accepts: Tuple[Any, ...] = ()  # refused flags: other values that change nothing either
-    only_with: Optional[str] = None  # refused flags: the dest without which no value changes anything
+    only_with: Optional[str] = None  # the dest without which Megatron-LM reads no value of it
+    unread_with: Optional[Tuple[str, Any]] = None  # (dest, value) with which Megatron-LM reads no value of it
     no_effect: Optional[str] = None  # every value accepted: why none changes this driver's run
 
     @property
@@ -190,8 +196,6 @@ def opt(*spec, dest: Optional[str] = None, nargs=None, **status) -> MegatronLMFl
 # --- why a flag is refused ---------------------------------------------------------------
 ACTIVATION = "this driver builds GeLU or SwiGLU (--swiglu) MLPs only"
 ALWAYS_LOGGED = "this driver always writes it and cannot leave it out: set it true, or drop the setting"
-ALWAYS_LOGS_THROUGHPUT = ("this driver logs the throughput (tokens/s, TFLOP/s per GPU) on every logged iteration and "
-                          "cannot leave it out: set it true, or drop the setting")
 ATTENTION_VARIANT = "this driver builds standard dot-product self-attention only"
 AUTORESUME = "ADLR autoresume is not run by this driver"
 BATCH_INVARIANT = "batch-invariant kernels are not offered by this driver (--deterministic-mode reproduces runs)"
@@ -255,7 +259,8 @@ LAUNCHER_RANK = "this driver takes the local rank from LOCAL_RANK, which the lau
 LAYER_SPEC = "this driver builds megatron-core's GPT layer spec (Transformer Engine or local, by --transformer-impl)"
 LEGACY_GROUPED_GEMM = "the legacy GroupedMLP is not built by this driver: --moe-grouped-gemm uses Transformer Engine's"
 LEGACY_MODELS = "only Megatron-LM's legacy models read it; this driver builds megatron-core's GPTModel"
-LEGACY_POSITION_EMBEDDING = "only Megatron-LM's legacy models read it: use --position-embedding-type"
+LEGACY_POSITION_EMBEDDING = ("deprecated in Megatron-LM, which takes it with --position-embedding-type rope only (a "
+                             "model without learned position embeddings): use --position-embedding-type")
 LOGGED_EXTRAS = ("this driver does not log it; each logged iteration shows the loss, learning rate, grad norm, "
                  "throughput, memory and progress")
 LOOP_EXTRAS = "a feature of Megatron-LM's training loop that this driver does not have"
@@ -278,6 +283,8 @@ NOT_GPT = "a setting of a model other than GPT (BERT, T5, retrieval, vision, SFT
 OBJECT_STORAGE = "this driver reads local files only, without the multi-storage client (what --disable-msc asks for)"
 OFFLOADING = "activation and weight offloading are not offered by this driver"
 ONE_LOGGER = "Megatron-LM's one-logger telemetry is not run by this driver (what --no-one-logger asks for)"
+ONE_LOGGER_NOT_RUN = ("this driver does not run Megatron-LM's one-logger telemetry (Megatron-LM runs it only where "
+                      "its one_logger package is installed): drop it, or give --no-one-logger")
 OPTIMIZER = "this driver trains with megatron-core's Adam (decoupled weight decay) only"
 OPTIMIZER_OFFLOAD = "optimizer CPU offloading is not offered by this driver"
 PARAM_GATHER_OVERLAP = "this driver does not overlap the distributed optimizer's parameter all-gather"
@@ -303,6 +310,9 @@ ROUTING_REPLAY = "MoE routing replay is not offered by this driver"
 SAMPLE_MASKS = ("this driver builds GPT samples with megatron-core's defaults: no position or attention-mask resets, "
                 "the loss on every token, no attention mask")
 SAVES_OPTIMIZER = "this driver always saves the optimizer states"
+STANDALONE_EMBEDDING_STAGE = ("an older Megatron-LM's embedding-only first pipeline stage: Megatron-LM 0.16.1 has no such "
+                              "flag (its YAML reader keeps the key unread) and this driver splits the layers evenly "
+                              "over --pipeline-model-parallel-size stages: drop it")
 SLIDING_WINDOW = "sliding-window attention is not built by this driver"
 STRAGGLERS = "straggler detection is not run by this driver"
 STREAM_PRIORITIES = "this driver leaves the CUDA streams' priorities at their defaults"
@@ -529,7 +539,8 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     on("--use-rope-scaling", refused=GPT_MODEL_ROPE),
     opt("--rope-scaling-factor", float, 8.0, refused=GPT_MODEL_ROPE),
     opt("--no-rope-freq", str, None, refused=GPT_MODEL_ROPE),
-    off("--no-position-embedding", dest="add_position_embedding", refused=LEGACY_POSITION_EMBEDDING),
+    off("--no-position-embedding", dest="add_position_embedding", refused=LEGACY_POSITION_EMBEDDING,
+        unread_with=("position_embedding_type", "rope")),
     opt("--make-vocab-size-divisible-by", int, 128, refused=VOCAB_PADDING),
     on("--openai-gelu", refused=ACTIVATION),
     on("--squared-relu", refused=ACTIVATION),
@@ -676,7 +687,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--decoupled-lr", float, None, refused=PARAM_GROUPS),
     opt("--decoupled-min-lr", float, None, refused=PARAM_GROUPS),
     opt("--save", str, None),
-    opt("--save-interval", "--persistent-save-interval", int, None),
+    opt("--save-interval", "--persistent-save-interval", int, None, only_with="save"),
     opt("--save-wgrads-interval", int, None, refused=GRADIENT_DUMPS),
     opt("--save-dgrads-interval", int, None, refused=GRADIENT_DUMPS),
     opt("--save-retain-interval", int, None, refused=CHECKPOINT_EXTRAS),
@@ -694,7 +705,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     on("--use-mp-args-from-checkpoint-args", refused=CHECKPOINT_ARGS),
     off("--no-use-tokenizer-model-from-checkpoint-args", "--disable-use-tokenizer-model-from-checkpoint-args",
         dest="use_tokenizer_model_from_checkpoint_args", refused=TOKENIZERS),
-    on("--exit-on-missing-checkpoint"),
+    on("--exit-on-missing-checkpoint", only_with="load"),
     opt("--ckpt-format", str, "torch_dist", refused=CHECKPOINT_FORMAT),
     on("--auto-detect-ckpt-format", refused=CHECKPOINT_FORMAT),
     opt("--ckpt-convert-format", str, None, refused=CHECKPOINT_FORMAT),
@@ -751,7 +762,8 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     on("--ddp-average-in-collective", refused=DDP_TUNING),
     on("--overlap-param-gather", refused=PARAM_GATHER_OVERLAP),
     on("--overlap-param-gather-with-optimizer-step", refused=PARAM_GATHER_OVERLAP),
-    off("--no-align-param-gather", dest="align_param_gather", refused=PARAM_GATHER_OVERLAP),
+    off("--no-align-param-gather", dest="align_param_gather", refused=PARAM_GATHER_OVERLAP,
+        only_with="overlap_param_gather"),
     off("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather_tensors_in_pipeline", refused=LEGACY_MODELS),
     opt("--local-rank", int, 0, refused=LAUNCHER_RANK, runs_as=FromEnv("LOCAL_RANK", 0)),
     opt("--lazy-mpu-init", str, None, refused=PROCESS_GROUPS),
@@ -905,7 +917,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--heterogeneous-layers-config-encoded-json", str, None, refused=HETEROGENEOUS),
     opt("--log-interval", int, 100),
     on("--log-params-norm"),
-    on("--log-throughput", refused=ALWAYS_LOGS_THROUGHPUT, runs_as=True),
+    on("--log-throughput", runs_as=True),
     on("--log-progress", refused=LOGGED_EXTRAS),
     opt("--timing-log-level", int, 0, refused_values={2: TIMING_LEVEL_2}),
     opt("--timing-log-option", str, "minmax", refused=TIMERS),
@@ -975,7 +987,7 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
     opt("--main-params-dtype", str, "fp32", refused=PRECISION_AWARE_OPTIMIZER),
     opt("--exp-avg-dtype", str, "fp32", refused=PRECISION_AWARE_OPTIMIZER),
     opt("--exp-avg-sq-dtype", str, "fp32", refused=PRECISION_AWARE_OPTIMIZER),
-    off("--no-one-logger", dest="enable_one_logger", refused=ONE_LOGGER, runs_as=False),
+    off("--no-one-logger", dest="enable_one_logger", no_effect=ONE_LOGGER_NOT_RUN, runs_as=False),
     opt("--one-logger-project", str, "megatron-lm", refused=ONE_LOGGER),
     opt("--one-logger-run-name", str, None, refused=ONE_LOGGER),
     on("--one-logger-async", refused=ONE_LOGGER),
@@ -1014,6 +1026,13 @@ FLAGS: Tuple[MegatronLMFlag, ...] = (
 NO_EFFECT_FIELDS: Dict[str, str] = {
     "tp_comm_atomic_ag": TP_OVERLAP_ONLY,
     "tp_comm_atomic_rs": TP_OVERLAP_ONLY,
+}
+
+# Top-level keys of Megatron-LM's example configs that no flag of Megatron-LM 0.16.1 defines (its
+# YAML reader sets every key as an attribute, read or not): key -> (the value that asks for
+# nothing, accepted with a note; why any other is refused).
+UNFLAGGED_KEYS: Dict[str, Tuple[Any, str]] = {
+    "standalone_embedding_stage": (False, STANDALONE_EMBEDDING_STAGE),
 }
 
 _BY_DEST: Dict[str, List[MegatronLMFlag]] = {}
@@ -1059,6 +1078,16 @@ def add_refused_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def _unread_because(row: MegatronLMFlag, args: argparse.Namespace) -> Optional[str]:
+    """Where Megatron-LM reads no value of ``row``'s flag on this run (``only_with``,
+    ``unread_with``): the setting that makes it so, in words; else None."""
+    if row.only_with is not None and not getattr(args, row.only_with, None):
+        return f"without {_BY_DEST[row.only_with][0].name}"
+    if row.unread_with is not None and getattr(args, row.unread_with[0], None) == row.unread_with[1]:
+        return f"with {_BY_DEST[row.unread_with[0]][0].name} {row.unread_with[1]}"
+    return None
+
+
 def _refusal(row: MegatronLMFlag, value: Any) -> Optional[Tuple[str, str]]:
     """(the refused value as shown, or "" for the flag itself; why) where this driver does
     not run ``value`` for ``row``'s flag, else None."""
@@ -1084,8 +1113,8 @@ def all_refusals(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> 
             continue
         judged.add(dest)
         for row in _BY_DEST.get(dest, ()):
-            if row.only_with is not None and not getattr(args, row.only_with, None):
-                continue  # Megatron-LM reads it only with that setting, which this run does not give
+            if _unread_because(row, args):
+                continue  # Megatron-LM reads no value of it on this run
             refused = _refusal(row, getattr(args, dest))
             if refused:
                 shown, why = refused
@@ -1095,14 +1124,21 @@ def all_refusals(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> 
 
 
 def no_effect_notes(args: argparse.Namespace, given: Iterable[Tuple[str, str]]) -> List[str]:
-    """One line for each of the ``given`` settings of a flag that changes nothing here, where
-    its value differs from what this driver does anyway: the value, and why it changes nothing."""
+    """One line for each of the ``given`` settings of a flag that changes nothing here (a
+    ``no_effect`` flag; a supported one that Megatron-LM does not read on this run), where its
+    value differs from what this driver does anyway: the value, and why it changes nothing."""
     notes, judged = [], set()
     for dest, label in given:
         for row in _BY_DEST.get(dest, ()) if dest not in judged else ():
             value = getattr(args, dest)
-            if row.no_effect is not None and value != row.accepted:
+            if row.refused is not None or (row.no_effect is None and row.only_with is None) or value == row.accepted:
+                continue  # row.accepted last: --attention-backend's imports megatron-core
+            if row.no_effect is not None:
                 notes.append(f"{label} {value}: changes nothing here: {row.no_effect}")
+            elif _unread_because(row, args):  # a supported flag without the setting it needs
+                flag = _BY_DEST[row.only_with][0].name
+                notes.append(f"{label} {value}: changes nothing without {flag}, as in Megatron-LM: drop it, or "
+                             f"give {flag}")
         judged.add(dest)
     return notes
 

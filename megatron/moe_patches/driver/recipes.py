@@ -109,6 +109,7 @@ class Recipe(dict):
         self.path = path
         self.lines: Dict[str, int] = dict(lines or {})  # dest -> line in the file
         self.written: Dict[str, str] = dict(written or {})  # dest -> the key as the file spells it
+        self.notes: list = []  # each key read and ignored (UNFLAGGED_KEYS): its RecipeError; read_recipe's: lines
 
     def where(self, dest: str, source: Optional[str] = None) -> str:
         source = source or self.path or "recipe"
@@ -241,10 +242,26 @@ def _unflagged_field(parser: argparse.ArgumentParser, setting: Setting) -> bool:
     return True
 
 
-def _settings(raw: Dict[str, Any], parser, lines, problems: List[RecipeError]) -> List[Setting]:
+def _unflagged_key(key: str, value, line: Optional[int]) -> RecipeError:
+    """A top-level key no flag defines (``megatron_lm_flags.UNFLAGGED_KEYS``): its note where
+    the value asks for nothing; raises its refusal where it asks for something."""
+    from megatron.moe_patches.driver.megatron_lm_flags import UNFLAGGED_KEYS
+
+    accepted, why = UNFLAGGED_KEYS[_dest(key)]
+    if value is not None and value != accepted:
+        raise RecipeError(f"'{key}' {_spelled(value)}: {why}", line)
+    return RecipeError(f"'{key}' {_spelled(value)}: changes nothing here: Megatron-LM 0.16.1 has no such flag "
+                       "(its YAML reader keeps the key unread): drop it", line)
+
+
+def _settings(raw: Dict[str, Any], parser, lines, problems: List[RecipeError],
+              notes: Optional[List[RecipeError]] = None) -> List[Setting]:
     """Every key of the recipe, sections' keys included, with its dest and transformed value;
     null values and on/off flags set to false are left out (not set). A key that cannot be
-    used is left out too, its error added to ``problems``."""
+    used is left out too, its error added to ``problems``; a key read and ignored, its note
+    to ``notes``."""
+    from megatron.moe_patches.driver.megatron_lm_flags import UNFLAGGED_KEYS
+
     items = []
     for key, value in raw.items():
         if not isinstance(key, str):
@@ -263,6 +280,11 @@ def _settings(raw: Dict[str, Any], parser, lines, problems: List[RecipeError]) -
             problems.append(RecipeError(f"key {_spelled(key)} in section '{section}' is not a flag name", line))
             continue
         try:
+            if section is None and _dest(key) in UNFLAGGED_KEYS:
+                note = _unflagged_key(key, value, line)
+                if value is not None and notes is not None:
+                    notes.append(note)
+                continue
             dest, transform = _resolve(parser, section, key)
             value = transform(value) if transform and value is not None else value
             setting = Setting(section, key, dest, value, line)
@@ -307,8 +329,9 @@ def flatten_recipe(raw: Dict[str, Any], parser: argparse.ArgumentParser,
     if not isinstance(raw, dict):
         raise RecipeError(f"a recipe must be a mapping of flag names to values, not {type(raw).__name__}")
     found: List[RecipeError] = []
+    notes: List[RecipeError] = []
     chosen: Dict[str, Setting] = {}
-    for setting in _settings(raw, parser, lines or {}, found):
+    for setting in _settings(raw, parser, lines or {}, found, notes):
         prior = chosen.get(setting.dest)
         try:
             chosen[setting.dest] = setting if prior is None else _one_of(prior, setting)
@@ -316,6 +339,7 @@ def flatten_recipe(raw: Dict[str, Any], parser: argparse.ArgumentParser,
             found.append(err)
     _collect(found, problems)
     flat = Recipe()
+    flat.notes = notes
     for dest, setting in chosen.items():
         flat[dest] = setting.value
         flat.written[dest] = setting.key
@@ -535,6 +559,7 @@ def read_recipe(path: str, parser: argparse.ArgumentParser, problems: Optional[L
         raise RecipeError(f"{path}: the recipe sets no flag (empty sections, null values or flags set to false); "
                           "give 'flag: value' lines")
     recipe.path = path
+    recipe.notes = [str(_in_file(path, note)) for note in recipe.notes]
     return recipe
 
 

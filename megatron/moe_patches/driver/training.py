@@ -281,7 +281,9 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
     of the main grads (--log-num-zeros-in-grad), None when not counted. ``batch_size``: this
     iteration's global batch (--rampup-batch-size grows it; default --global-batch-size);
     ``consumed_samples``: the samples trained on so far (default: iterations x the batch).
-    ``params_norm``: the parameters' L2 norm (--log-params-norm), None when not computed."""
+    ``params_norm``: the parameters' L2 norm (--log-params-norm), None when not computed.
+    The throughput (TFLOP/s per GPU, tokens/s) is left out where a recipe says
+    ``log_throughput: false``, as Megatron-LM leaves it out without --log-throughput."""
     batch_size = batch_size or args.global_batch_size
     tokens = batch_size * args.seq_length
     elapsed = times["iteration"]
@@ -290,13 +292,14 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
         "learning-rate": lr,
         "grad-norm": grad_norm,
         "iteration-time": elapsed,
-        "throughput": model_flops_per_token(args) * tokens / elapsed / world / 1e12,
-        "tokens-per-sec": tokens / elapsed,
         "consumed-samples": iteration * batch_size if consumed_samples is None else consumed_samples,
         "batch-size": batch_size,
         "mem-allocated-bytes": mem_allocated,
         "mem-max-allocated-bytes": mem_max_allocated,
     }
+    if getattr(args, "log_throughput", True):  # True: parse_args's default here
+        metrics["throughput"] = model_flops_per_token(args) * tokens / elapsed / world / 1e12
+        metrics["tokens-per-sec"] = tokens / elapsed
     if num_zeros is not None:
         metrics["num-zeros"] = num_zeros
     if params_norm is not None:
@@ -324,13 +327,13 @@ def _log_line(args, iteration, metrics, started):
     )
     zeros = f" | num zeros: {metrics['num-zeros']:.0f}" if "num-zeros" in metrics else ""
     norm = f" | params norm: {metrics['params-norm']:.3f}" if "params-norm" in metrics else ""
+    throughput = (f" | throughput per GPU (TFLOP/s/GPU): {metrics['throughput']:.1f}"
+                  f" | tokens/s: {metrics['tokens-per-sec']:.0f}") if "throughput" in metrics else ""
     return (
         f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d}"
         f" | consumed samples: {metrics['consumed-samples']:12d}"
         f" | elapsed time per iteration (ms): {metrics['iteration-time'] * 1000:.1f}"
-        f"{phases}"
-        f" | throughput per GPU (TFLOP/s/GPU): {metrics['throughput']:.1f}"
-        f" | tokens/s: {metrics['tokens-per-sec']:.0f}"
+        f"{phases}{throughput}"
         f" | learning rate: {metrics['learning-rate']:.6E}"
         f" | global batch size: {metrics['batch-size']:5d}"
         f" | lm loss: {metrics['lm loss']:.6E}"
