@@ -1707,66 +1707,54 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
+def same_named(args: argparse.Namespace, names) -> dict:
+    """{name: the value of the flag of that dest} for each of ``names``: the config fields
+    that take a flag's value as it is."""
+    return {name: getattr(args, name) for name in names}
+
+
+# TransformerConfig fields that take the flag of the same dest as it is (transformer_config_kwargs
+# gives the others, each worked out from the flags, by name); with --num-experts, the MoE ones.
+SAME_NAMED_CONFIG_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups",  # None (multi-head) without --group-query-attention
+    "kv_channels", "normalization", "qk_layernorm", "init_method_std", "hidden_dropout", "attention_dropout",
+    "transformer_impl", "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "sequence_parallel", "bf16", "deterministic_mode", "gradient_accumulation_fusion",
+    "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "cuda_graph_impl", "cuda_graph_warmup_steps",
+    # Megatron-LM's fusion switches that core_transformer_config_from_args passes as they are
+    "masked_softmax_fusion", "bias_dropout_fusion", "attention_softmax_in_fp32",
+)
+SAME_NAMED_MOE_CONFIG_FIELDS = (
+    "moe_router_topk", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_flex_dispatcher_backend",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_permute_fusion", "moe_router_pre_softmax",
+    "moe_router_padding_for_quantization", "moe_shared_expert_intermediate_size",
+)
+
+
 def transformer_config_kwargs(args: argparse.Namespace) -> dict:
     """TransformerConfig constructor kwargs from the parsed args."""
     kwargs = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,  # None (multi-head) without --group-query-attention
-        kv_channels=args.kv_channels,
-        normalization=args.normalization,
+        same_named(args, (*SAME_NAMED_CONFIG_FIELDS, *CONFIG_FIELD_FLAGS)),
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=not args.disable_bias_linear,
-        qk_layernorm=args.qk_layernorm,
-        init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        transformer_impl=args.transformer_impl,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        bf16=args.bf16,
         params_dtype=params_dtype(args),
         pipeline_dtype=params_dtype(args),
-        deterministic_mode=args.deterministic_mode,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
-        delay_wgrad_compute=args.delay_wgrad_compute,
-        cuda_graph_impl=args.cuda_graph_impl,
         cuda_graph_scope=args.cuda_graph_scope or [],  # [] the whole layer ("full" is deprecated)
-        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
         # Megatron-LM's fusion switches, as core_transformer_config_from_args reads them
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else bias_gelu_fusion(args),
-        masked_softmax_fusion=args.masked_softmax_fusion,
-        bias_dropout_fusion=args.bias_dropout_fusion,
         apply_rope_fusion=apply_rope_fusion(args),
-        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-        **{name: getattr(args, name) for name in CONFIG_FIELD_FLAGS},
     )
     if args.fp8_format:
         kwargs.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_wgrad=args.fp8_wgrad,
-                      **{name: getattr(args, name) for name in FP8_CONFIG_FIELD_FLAGS})
+                      **same_named(args, FP8_CONFIG_FIELD_FLAGS))
     if args.num_experts is not None:
         kwargs.update(
             num_moe_experts=args.num_experts,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
-            moe_router_topk=args.moe_router_topk,
-            moe_grouped_gemm=args.moe_grouped_gemm,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
-            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_permute_fusion=args.moe_permute_fusion,
-            moe_router_pre_softmax=args.moe_router_pre_softmax,
-            moe_router_padding_for_quantization=args.moe_router_padding_for_quantization,
-            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-            **{name: getattr(args, name) for name in MOE_CONFIG_FIELD_FLAGS},
+            **same_named(args, (*SAME_NAMED_MOE_CONFIG_FIELDS, *MOE_CONFIG_FIELD_FLAGS)),
         )
     kwargs.update(config_kwargs_from_args(args))
     return compat.fit_config_kwargs(kwargs)

@@ -32,6 +32,7 @@ from megatron.moe_patches.driver.arguments import (
     data_blend,
     params_dtype,
     parse_args,
+    same_named,
     transformer_config_kwargs,
 )
 
@@ -126,25 +127,18 @@ def ddp_config_kwargs(args) -> dict:
     )
 
 
+# OptimizerConfig fields that take the flag of the same dest as it is.
+SAME_NAMED_OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+                               "bf16", "use_distributed_optimizer", "log_num_zeros_in_grad")
+
+
 def build_optimizer(args, ddp_model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
-            bf16=args.bf16,
-            params_dtype=params_dtype(args),
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        ),
+        OptimizerConfig(optimizer="adam", params_dtype=params_dtype(args),
+                        **same_named(args, SAME_NAMED_OPTIMIZER_FIELDS)),
         [ddp_model],
     )
     steps = lr_schedule_steps(args)
