@@ -1,6 +1,4 @@
-"""``python -m megatron.moe_patches status [--apply [--features C0,F4]] [--json]``, and
-``python -m megatron.moe_patches plan PRETRAIN_FLAGS...``: the plan (``plan.plan_for``) of the
-config pretrain_gpt.py builds from those flags, on this machine.
+"""``python -m megatron.moe_patches status [--apply [--features C0,F4]] [--json]``.
 
 Also the ``megatron-moe-patches`` command. ``--json`` prints one JSON document:
 ``{"megatron_core": "0.16.1", "transformer_engine": "2.14.0" or null, "features": [...]}``
@@ -12,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings
 
@@ -53,18 +50,6 @@ def main(argv=None) -> int:
                       help="comma-separated ids for --apply, e.g. C0,F4 (default: the whole series)")
     show.add_argument("--json", action="store_true",
                       help='one JSON document: {"megatron_core", "transformer_engine", "features": [rows]}')
-    plan = sub.add_parser(
-        "plan",
-        help="print what the MoE layer of a pretrain_gpt.py run would run here, and why",
-        description="Applies the series, builds the TransformerConfig pretrain_gpt.py builds from the "
-        "flags given (a --yaml-cfg recipe included) and prints its plan: the expert backend and why "
-        "not the others, who pads, the expert-parallel exchange, whether the MoE layer can be a CUDA "
-        "graph. The answers are this machine's (a CPU machine has no Hopper GPU).",
-    )
-    plan.usage = f"{prog} plan PRETRAIN_FLAGS... (pretrain_gpt.py's, e.g. --yaml-cfg qwen3-30b-a3b-proxy)"
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"] and not {"-h", "--help"} & set(argv[1:2]):
-        return _print_plan(argv[1:])  # every flag after it is pretrain_gpt.py's, read by the driver
     args = parser.parse_args(argv)
 
     if args.features is not None and not args.apply:
@@ -84,39 +69,6 @@ def main(argv=None) -> int:
         print(f"megatron-core {mcore or 'not installed'} | Transformer Engine {te or 'not installed'}")
         for row in rows:
             print(row.line())
-    return 0
-
-
-def _print_plan(flags: list) -> int:
-    # The driver reads the flags as pretrain_gpt.py does (its errors and exit status too).
-    from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs, validate_config
-    from megatron.moe_patches.installer import apply
-    from megatron.moe_patches.plan import plan_for
-
-    prog = "megatron-moe-patches plan"
-    args = parse_args(flags, prog=prog)
-    apply()
-    import megatron.core.transformer.transformer_config as tc_module
-
-    try:
-        # pretrain_gpt.py's own check of the config; the fields it leaves to the GPU machine
-        # (megatron-core asks TE or the GPU about them) are set after construction here
-        deferred = validate_config(args)
-    except ValueError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
-    kwargs = transformer_config_kwargs(args)
-    late = {name: kwargs.pop(name) for name in deferred if name in kwargs}
-    with warnings.catch_warnings():  # megatron-core's advice on the config: not the plan's
-        warnings.simplefilter("ignore")
-        config = tc_module.TransformerConfig(**kwargs)
-    for name, value in late.items():
-        setattr(config, name, value)
-    if config.num_moe_experts is None:
-        print("no MoE layer (--num-experts is not set): nothing to plan")
-        return 0
-    for line in plan_for(config).lines():
-        print(line)
     return 0
 
 

@@ -1,16 +1,16 @@
-"""``megatron-moe-patches plan PRETRAIN_FLAGS...``: the plan of the config pretrain_gpt.py
-builds from its flags, on this machine (CPU here: no Hopper GPU, no TE), each decision with
-its reason; a bad flag is refused as pretrain_gpt.py refuses it."""
+"""``pretrain_gpt.py ... --print-plan``: the plan of the config the run builds, on this
+machine (CPU here: no Hopper GPU, no TE), each decision with its reason, and no training; a
+bad flag is refused as without it."""
 
 import pytest
 
-from megatron.moe_patches.__main__ import main
+from megatron.moe_patches.driver.training import main
 
 RUN = ["--yaml-cfg", "qwen3-30b-a3b-proxy", "--train-iters", "20"]
 
 
 def plan_lines(capsys, *flags):
-    assert main(["plan", *flags]) == 0
+    assert main([*flags, "--print-plan"], prog="pretrain_gpt.py") == 0  # a CPU machine: no GPU asked for
     return capsys.readouterr().out.splitlines()
 
 
@@ -40,6 +40,6 @@ def test_a_model_without_experts_has_nothing_to_plan(capsys, reverted):
 
 def test_a_bad_flag_is_refused_as_pretrain_gpt_refuses_it(capsys, reverted):
     with pytest.raises(SystemExit) as exited:
-        main(["plan", *RUN, "--moe-router-topk", "0"])
+        main([*RUN, "--moe-router-topk", "0", "--print-plan"], prog="pretrain_gpt.py")
     assert exited.value.code == 2
-    assert "megatron-moe-patches plan: error: --moe-router-topk" in capsys.readouterr().err
+    assert "pretrain_gpt.py: error: --moe-router-topk" in capsys.readouterr().err

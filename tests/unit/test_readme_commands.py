@@ -262,6 +262,7 @@ def test_readme_has_the_commands_and_flag_sets_this_test_reads():
     names = [case.name for case in COMMANDS]
     assert "megatron-moe-pretrain --yaml-cfg tiny-moe" in names
     assert any("torchrun" in name for name in names) and "megatron-moe-pretrain --help" in names
+    assert PRINTS_A_PLAN
     graphs = [case for case in FLAG_SETS if "--cuda-graph-impl" in case.argv]
     exchange = [case for case in FLAG_SETS if "--moe-symmetric-exchange" in case.argv]
     assert len(FLAG_SETS) >= 10 and len(graphs) >= 5 and exchange
@@ -272,9 +273,22 @@ def test_readme_fast_path_tables_are_consistent():
     assert TABLE_PROBLEMS == []
 
 
-@pytest.mark.parametrize("case", [c for c in COMMANDS if c.argv != ["--help"]], ids=lambda c: c.name)
+PRINTS_A_PLAN = [c for c in COMMANDS if "--print-plan" in c.argv]
+
+
+@pytest.mark.parametrize("case", [c for c in COMMANDS if c.argv != ["--help"] and c not in PRINTS_A_PLAN],
+                         ids=lambda c: c.name)
 def test_readme_command_stops_at_the_gpu_check(case, gpu_machine_without_gpu, capsys, monkeypatch):
     assert_stops_at_the_gpu_check(case, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("case", PRINTS_A_PLAN, ids=lambda c: c.name)
+def test_readme_plan_command_prints_a_plan_without_a_gpu(case, gpu_machine_without_gpu, capsys, reverted):
+    from megatron.moe_patches.driver.training import main
+
+    assert main(list(case.argv), prog=case.prog) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and lines[0].startswith("expert backend: ") and any(l.startswith("exchange: ") for l in lines)
 
 
 @pytest.mark.parametrize("case", [c for c in COMMANDS if c.argv == ["--help"]], ids=lambda c: c.name)

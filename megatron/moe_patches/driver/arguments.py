@@ -240,6 +240,10 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
         _opt("--moe-deepep-num-sms", int, 20, "SMs DeepEP's kernels may use (--moe-flex-dispatcher-backend deepep)."),
         _opt("--moe-hybridep-num-sms", int, 16,
              "SMs HybridEP's kernels may use (--moe-flex-dispatcher-backend hybridep)."),
+        _on("--print-plan",
+            "Print what the MoE layers of this run would run on this machine, each decision with "
+            "its reason (the expert backend and why not the others, who pads, the exchange, "
+            "whether the layer can be a CUDA graph), and exit without training: no GPU needed."),
     )
     parallel = (
         _opt("--tensor-model-parallel-size", int, 1,
@@ -1701,6 +1705,25 @@ def validate_config(args: argparse.Namespace, te_available: Optional[bool] = Non
         except ValueError as err:
             raise ValueError(config_error_message(err)) from None
     return deferred
+
+
+def plan_lines(args: argparse.Namespace) -> List[str]:
+    """--print-plan: the plan (``plan.plan_for``) of the config this run builds, on this
+    machine, one decision a line. The fields ``validate_config`` leaves to the GPU machine
+    (megatron-core asks TE or the GPU about them) are set after construction."""
+    from megatron.moe_patches.plan import plan_for
+
+    deferred = validate_config(args)
+    kwargs = transformer_config_kwargs(args)
+    late = {name: kwargs.pop(name) for name in deferred if name in kwargs}
+    with warnings.catch_warnings():  # megatron-core's advice on the config: not the plan's
+        warnings.simplefilter("ignore")
+        config = compat.config_class()(**kwargs)
+    for name, value in late.items():
+        setattr(config, name, value)
+    if config.num_moe_experts is None:
+        return ["no MoE layer (--num-experts is not set): nothing to plan"]
+    return list(plan_for(config).lines())
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:

@@ -32,6 +32,7 @@ from megatron.moe_patches.driver.arguments import (
     data_blend,
     params_dtype,
     parse_args,
+    plan_lines,
     same_named,
     transformer_config_kwargs,
 )
@@ -646,6 +647,10 @@ def main(argv=None, prog: str = PROG) -> int:
     """pretrain_gpt.py: parse and validate the flags (``--help`` needs no GPU), check for a
     GPU, then train. ``prog``: the command the user ran (its usage and error lines name it)."""
     args = parse_args(argv, prog=prog)
+    if args.print_plan:
+        for line in plan_lines(args):
+            print(line)
+        return 0
     require_gpu(prog)
     pretrain(args)
     return 0
