@@ -1,6 +1,6 @@
 """Facts the docs state twice, or state about the code, agree: the quick GPU run's time in
-pytest.ini and README, C0's page against the patch fields, and the license in LICENSE,
-setup.py and README."""
+pytest.ini and README, C0's page against the patch fields, the license in LICENSE,
+setup.py and README, and README's module table against the package's modules."""
 
 import configparser
 import re
@@ -45,3 +45,41 @@ def test_license_file_setup_metadata_and_readme_agree():
     assert '"License :: OSI Approved :: Apache Software License"' in setup
     assert "Apache License 2.0" in README.split("## License", 1)[-1]
 
+
+
+def module_table():
+    """README's table of how the patch modules fit together: {name in the first column: the
+    role column}, one entry per name (a row may name several)."""
+    section = README.split("How the patch modules fit together", 1)[1]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| module |"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        first, role = line.strip().strip("|").split(" | ", 1)
+        for name in re.findall(r"`([^`]+)`", first):
+            assert name not in rows, f"README's module table lists {name} twice"
+            rows[name] = role
+    return rows
+
+
+def test_readme_module_table_names_every_module_once():
+    package = ROOT / "megatron" / "moe_patches"
+    rows = module_table()
+    missing, twice = [], []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.name == "__init__.py" and len(rel.parts) > 1:
+            continue  # a folder's __init__ is the folder's row
+        if len(rel.parts) == 1:
+            if rel.name != "__init__.py" and rel.name not in rows:
+                missing.append(str(rel))
+            continue
+        folder = f"{rel.parts[0]}/"
+        named = re.findall(rf"`{re.escape('/'.join(rel.parts[1:]))}`", rows.get(folder, ""))
+        (missing if not named else twice if len(named) > 1 else []).append(str(rel))
+    stale = [f"{folder}{name}" for folder, role in rows.items() if folder.endswith("/")
+             for name in re.findall(r"`([\w/]+\.py)`", role) if not (package / folder / name).is_file()]
+    stale += [name for name in rows if name.endswith(".py") and not (package / name).is_file()]
+    assert (missing, twice, stale) == ([], [], []), f"not in the table: {missing}; twice: {twice}; no such module: {stale}"
