@@ -540,12 +540,28 @@ def check_environment(args: argparse.Namespace) -> int:
     for name in ("RANK", "LOCAL_RANK"):
         _launcher_int(name, 0, 0, world - 1, f"a rank from 0 to {world - 1} (WORLD_SIZE {world})")
     _launcher_int("MASTER_PORT", 0, 1, 65535, "a TCP port (1 to 65535)")
+    _check_launcher_node(world)
     for name in ENV_SWITCHES:
         env_switch(name)
     if args.deterministic_mode:
         _check_deterministic_env()
     _check_symmetric_exchange_node(args, world)
     return world
+
+
+def _check_launcher_node(world: int) -> None:
+    """The launcher's node variables, where set, as torchrun sets them: LOCAL_WORLD_SIZE ranks on
+    this node (1 to WORLD_SIZE), LOCAL_RANK (the GPU each rank takes) below it, and a MASTER_ADDR
+    that names a host (an empty one fails the rendezvous at start-up)."""
+    per_node = _launcher_int("LOCAL_WORLD_SIZE", world, 1, world, f"a rank count from 1 to {world} (WORLD_SIZE {world})")
+    local = _launcher_int("LOCAL_RANK", 0, 0, None, "a rank")
+    if local >= per_node:
+        raise ValueError(f"LOCAL_RANK={local} with LOCAL_WORLD_SIZE={per_node} (set by the launcher): the local rank "
+                         "must be below the ranks per node; launch with torchrun, which sets both")
+    address = os.environ.get("MASTER_ADDR")
+    if address is not None and not address.strip():
+        raise ValueError(f"MASTER_ADDR={address!r} (set by the launcher) is empty: set the host of rank 0, or unset it "
+                         "on one node (the driver then uses 127.0.0.1)")
 
 
 def _check_symmetric_exchange_node(args: argparse.Namespace, world: int) -> None:
@@ -690,6 +706,7 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
         return None
     path, missing = checkpointing.find_checkpoint(args.load)
     if path is None:
+        _check_not_a_checkpoint_inside(args.load)
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise ValueError(
                 f"--load {args.load}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
@@ -718,6 +735,24 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
     if not getattr(args, "no_load_optim", False):
         _check_optimizer_layout(args, path)
     return path
+
+
+def _check_not_a_checkpoint_inside(root: str) -> None:
+    """A --load without a tracker file trains from scratch (Megatron-LM's rule), but not where it
+    plainly holds a checkpoint: a tracker of that name that is no regular file (a directory, a pipe,
+    a device: never read), or the files of one iteration (--load given the iter_* directory itself)."""
+    tracker = os.path.join(root, checkpointing.TRACKER)
+    if os.path.lexists(tracker) and not os.path.isfile(tracker):
+        kind = "a directory" if os.path.isdir(tracker) else "not a regular file"
+        raise ValueError(f"--load {root}: the checkpoint tracker {tracker} is {kind}: make it a file holding the "
+                         "iteration to resume from (e.g. 100 for iter_0000100), or point --load elsewhere")
+    held = [name for name in (checkpointing.COMMON_FILE, checkpointing.CONFIG_FILE, checkpointing.TENSOR_INDEX)
+            if os.path.isfile(os.path.join(root, name))]
+    if held:
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        raise ValueError(f"--load {root} is one iteration of a checkpoint (it holds {', '.join(held)}), not the "
+                         f"checkpoint directory: point --load at the directory above it ({parent}), which holds "
+                         f"{checkpointing.TRACKER}")
 
 
 def _check_optimizer_layout(args: argparse.Namespace, path: str) -> None:
@@ -891,8 +926,9 @@ POSITIVE_FLOATS = ("init_method_std", "adam_eps", "layernorm_epsilon", "embeddin
 # (0, 1]: RoPE rotates a share of each head's channels, at least one
 UP_TO_ONE = ("rotary_percent",)
 # Flags that name a file or directory: an empty value (an unset shell variable) is refused, never
-# read as "not given".
-PATH_FLAGS = ("save", "load", "data_path", "data_cache_path", "tensorboard_dir")
+# read as "not given" (an empty --yaml-cfg would otherwise run without the recipe); so is a NUL
+# character (a recipe's "\0"), which no path the OS takes holds: os calls raise on it mid-run.
+PATH_FLAGS = ("yaml_cfg", "save", "load", "data_path", "data_cache_path", "tensorboard_dir")
 # Megatron-LM flags whose dest is the TransformerConfig field of that name: Megatron-LM
 # hands them to the config as given, and so does transformer_config_kwargs. Their
 # Megatron-LM defaults are megatron-core's, so a run that gives none builds the same config.
@@ -957,6 +993,9 @@ def _check_path(args: argparse.Namespace, name: str) -> None:
         given = "with no value" if not entries else shown(repr(value))
         raise ValueError(f"{_flag(name)} {given}: an empty path (an unset shell variable?): give the "
                          f"{'dataset prefixes' if name == 'data_path' else 'path'}, or drop the flag")
+    if any("\0" in str(entry) for entry in entries):
+        raise ValueError(f"{_flag(name)} {shown(repr(value))}: a path with a NUL character, which no file name "
+                         "holds: write the path without it")
 
 
 def given_value_problems(args: argparse.Namespace) -> List[str]:
@@ -1214,11 +1253,35 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         _check_rampup(args)
     if args.train_samples:  # Megatron-LM's iterations of a sample-based run, ramp-up included
         args.train_iters = sample_based_iterations(args)
+        if args.train_iters == 0:  # Megatron-LM would run no iteration and stop without a word
+            raise ValueError(f"--train-samples {args.train_samples} is less than one --global-batch-size "
+                             f"{args.global_batch_size}: no iteration would run; give at least one batch of samples")
+    _check_resume_before_the_end(args)
+    _check_split(args)
     _check_validation_split(args)
     _check_data_path(args)
     for name in OUTPUT_DIRS:
         if getattr(args, name, None):
             _check_output_dir(_flag(name), getattr(args, name))
+
+
+def _check_resume_before_the_end(args: argparse.Namespace) -> None:
+    """A run resumed at or past its last iteration trains nothing (the loop ends before it
+    starts) and would stop without a word: refused, naming the iteration --load resumes at."""
+    if not args.load or getattr(args, "finetune", False):
+        return
+    try:
+        path, _ = checkpointing.find_checkpoint(args.load)
+    except ValueError:
+        return  # check_load named it
+    if path is None:
+        return
+    iteration = checkpointing.latest_iteration(args.load)
+    if iteration is not None and iteration >= args.train_iters:
+        length = (f"--train-samples {args.train_samples} ({args.train_iters} iterations)" if args.train_samples
+                  else f"--train-iters {args.train_iters}")
+        raise ValueError(f"--load {args.load} resumes at iteration {iteration}, which {length} has reached: "
+                         "nothing would be trained; raise the run's length, or point --load elsewhere")
 
 
 def batch_calculator(args: argparse.Namespace, rank: int = 1):
@@ -1263,6 +1326,26 @@ def sample_based_iterations(args: argparse.Namespace) -> int:
                              args.train_samples)[0]
 
 
+# One weight of --split as megatron-core reads it: the digits and dots of the text
+# (re.findall("[.0-9]+")); a weight spelled otherwise ("-1", "1e3", "nan") would be read as other weights.
+SPLIT_WEIGHT = re.compile(r"[0-9]*\.?[0-9]+|[0-9]+\.")
+SPLIT_SEPARATOR = re.compile(r"\s*[,/]\s*")
+
+
+def _check_split(args: argparse.Namespace) -> None:
+    """--split: up to three weights (train, validation, test) separated by commas or slashes, as
+    megatron-core reads them (missing ones are 0, as there), not all 0. Any other text megatron-core
+    would read as other weights (it skips all but digits and dots), as NaN shares, or stop on."""
+    if args.split is None:
+        return
+    weights = SPLIT_SEPARATOR.split(args.split.strip())
+    fix = "give up to three weights (train, validation, test) separated by commas, e.g. 969,30,1"
+    if len(weights) > 3 or not all(SPLIT_WEIGHT.fullmatch(weight) for weight in weights):
+        raise ValueError(f"--split {shown(args.split)!r}: not weights megatron-core reads as written: {fix}")
+    if not sum(float(weight) for weight in weights) > 0:
+        raise ValueError(f"--split {shown(args.split)!r}: the weights add up to 0, so no split gets a share: {fix}")
+
+
 def _check_validation_split(args: argparse.Namespace) -> None:
     """Evaluation reads the validation split: one that --split leaves empty would make
     --eval-interval change nothing (Megatron-LM then skips evaluation without a word)."""
@@ -1287,6 +1370,9 @@ def _check_rampup(args: argparse.Namespace) -> None:
     flag = f"--rampup-batch-size {start} {increment} {samples}"
     if start < 1 or increment < 1:
         raise ValueError(f"{flag}: the start batch size and the increment must be at least 1")
+    if samples < 1:  # megatron-core's calculator divides by the samples per increment
+        raise ValueError(f"{flag}: the ramp-up must take at least 1 sample (0 divides by zero in megatron-core's "
+                         "calculator); to train at --global-batch-size from the start, drop --rampup-batch-size")
     if start >= args.global_batch_size:
         raise ValueError(f"{flag}: the start batch size must be below --global-batch-size "
                          f"{args.global_batch_size}, which the ramp-up grows to")

@@ -58,6 +58,11 @@ def resolve(value: str) -> str:
     stem = stem[: -len(SUFFIX)] if stem.endswith(SUFFIX) else stem
     if is_bare_name and stem in recipes:
         return recipes[stem]
+    if os.path.lexists(value) and not os.path.isdir(value):  # a pipe, a device, a symlink loop or to nothing
+        what = ("a symbolic link that leads to no file" if os.path.islink(value) and not os.path.exists(value)
+                else "not a regular file (a pipe, a device or a socket)")
+        raise UnknownRecipe(f"--yaml-cfg {shown(value)}: {what}; give the path of a recipe file or a built-in "
+                            f"recipe's name ({', '.join(recipes)})")
     if os.path.isdir(value):
         raise IsADirectoryError(f"--yaml-cfg {shown(value)}: a directory, not a recipe file; give the path of a "
                                 f"recipe file or a built-in recipe's name ({', '.join(recipes)})")

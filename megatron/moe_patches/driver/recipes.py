@@ -612,6 +612,9 @@ def convert_value(action: argparse.Action, value, fail):
         items = value if isinstance(value, list) else [value]
         if action.nargs == "+" and not items:
             raise fail("needs at least one value")
+        if isinstance(action.nargs, int) and len(items) != action.nargs:  # as argparse counts them
+            names = " ".join(action.metavar) if isinstance(action.metavar, tuple) else f"{action.nargs} values"
+            raise fail(f"takes {action.nargs} values ({names}), not {len(items)}: {_spelled(value)}")
         converted = [_scalar(kind, item, fail) for item in items]
     elif isinstance(value, (list, dict)):
         raise fail(f"takes one value, not {'a list' if isinstance(value, list) else 'a mapping'} ({_spelled(value)})")
