@@ -118,3 +118,17 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_each_flag(tmp_pat
     same.num_query_groups = 2
     other = checkpoint_files.checkpoint_root(tmp_path / "other", common={"iteration": 4, "args": same})
     assert initialize(capsys, load=str(other), **SHAPE) is None
+
+
+def test_a_load_that_plainly_holds_a_checkpoint_is_never_trained_over(tmp_path, capsys, initialize):
+    """A tracker that is no regular file, or one iteration's directory given as --load: there
+    is a checkpoint, so training from scratch (no tracker read) would hide it."""
+    root = checkpoint_files.checkpoint_root(tmp_path / "ckpt", iteration=4)
+    line = initialize(capsys, load=str(root / "iter_0000004"))
+    assert line.startswith(f"--load {root / 'iter_0000004'} is one iteration of a checkpoint")
+    assert f"point --load at the directory above it ({root})" in line
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    (root / "latest_checkpointed_iteration.txt").mkdir()
+    line = initialize(capsys, load=str(root))
+    assert line.startswith(f"--load {root}: the checkpoint tracker {root / 'latest_checkpointed_iteration.txt'} "
+                           "is a directory")

@@ -46,13 +46,19 @@ def _os_error(err: OSError) -> str:
 
 def latest_iteration(root: str) -> Optional[int]:
     """The iteration the tracker file under ``root`` names; None without a tracker. At most
-    ``TRACKER_READ_LIMIT`` bytes of it are read: a longer one is not an iteration number."""
+    ``TRACKER_READ_LIMIT`` bytes of it are read: a longer one is not an iteration number. A
+    tracker of that name that is no regular file (a directory, a pipe, a device) is never read
+    and is refused: a checkpoint was plainly meant, and training from scratch would hide it."""
     tracker = os.path.join(root, TRACKER)
     cannot_read = f"cannot read the checkpoint tracker {tracker}"
     fix = "give this user read access to it, or point --load elsewhere"
     try:
-        if not stat.S_ISREG(os.stat(tracker).st_mode):
-            return None  # a directory of that name is no tracker
+        mode = os.stat(tracker).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise CheckpointError(f"--load {root}: the checkpoint tracker {tracker} is {kind}: make it a file "
+                                  "holding the iteration to resume from (e.g. 100 for iter_0000100), or point "
+                                  "--load elsewhere")
         with open(tracker, "rb") as handle:
             head = handle.read(TRACKER_READ_LIMIT + 1)
             size = os.fstat(handle.fileno()).st_size
@@ -233,14 +239,26 @@ def _check_readable(root: str, folder: str) -> None:
                               "execute permission on it (chmod u+rx), or point --load elsewhere")
 
 
+def _refuse_an_iteration_given(root: str) -> None:
+    """``--load`` given one iteration's directory (``iter_*``, holding its files) instead of the
+    checkpoint directory above it: no tracker there, so it would train from scratch."""
+    held = [name for name in (COMMON_FILE, CONFIG_FILE, TENSOR_INDEX) if os.path.isfile(os.path.join(root, name))]
+    if held:
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        raise CheckpointError(f"--load {root} is one iteration of a checkpoint (it holds {', '.join(held)}), not "
+                              f"the checkpoint directory: point --load at the directory above it ({parent}), which "
+                              f"holds {TRACKER}")
+
+
 def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
     """(the checkpoint directory ``--load root`` resumes from, None) or (None, why there is none).
 
     No directory, an empty one or one without a tracker file is "no checkpoint" (Megatron-LM
     trains from scratch then). A ``root`` that is a file, a tracker that is not an iteration
-    number, or one naming an iteration whose directory is missing or not a complete checkpoint
-    (``incomplete_reason``) raises CheckpointError naming the file and the fix, and so does
-    a ``root``, tracker or named iteration this user cannot read (the OS error named). A save
+    number or no regular file, or one naming an iteration whose directory is missing or not a
+    complete checkpoint (``incomplete_reason``) raises CheckpointError naming the file and the
+    fix, and so do a ``root`` that is one iteration's directory and a ``root``, tracker or
+    named iteration this user cannot read (the OS error named). A save
     killed between its two renames (``_publish``) left the named iteration under its
     ``.replaced`` name, complete: that is the checkpoint then.
     """
@@ -259,6 +277,7 @@ def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
     _check_readable(root, root)
     iteration = latest_iteration(root)
     if iteration is None:
+        _refuse_an_iteration_given(root)
         return None, "the directory is empty" if not os.listdir(root) else f"no checkpoint there (no {TRACKER})"
     path = iteration_dir(root, iteration)
     if os.path.isdir(path):

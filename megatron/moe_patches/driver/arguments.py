@@ -706,7 +706,6 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
         return None
     path, missing = checkpointing.find_checkpoint(args.load)
     if path is None:
-        _check_not_a_checkpoint_inside(args.load)
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise ValueError(
                 f"--load {args.load}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
@@ -737,34 +736,15 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
     return path
 
 
-def _check_not_a_checkpoint_inside(root: str) -> None:
-    """A --load without a tracker file trains from scratch (Megatron-LM's rule), but not where it
-    plainly holds a checkpoint: a tracker of that name that is no regular file (a directory, a pipe,
-    a device: never read), or the files of one iteration (--load given the iter_* directory itself)."""
-    tracker = os.path.join(root, checkpointing.TRACKER)
-    if os.path.lexists(tracker) and not os.path.isfile(tracker):
-        kind = "a directory" if os.path.isdir(tracker) else "not a regular file"
-        raise ValueError(f"--load {root}: the checkpoint tracker {tracker} is {kind}: make it a file holding the "
-                         "iteration to resume from (e.g. 100 for iter_0000100), or point --load elsewhere")
-    held = [name for name in (checkpointing.COMMON_FILE, checkpointing.CONFIG_FILE, checkpointing.TENSOR_INDEX)
-            if os.path.isfile(os.path.join(root, name))]
-    if held:
-        parent = os.path.dirname(os.path.normpath(root)) or "."
-        raise ValueError(f"--load {root} is one iteration of a checkpoint (it holds {', '.join(held)}), not the "
-                         f"checkpoint directory: point --load at the directory above it ({parent}), which holds "
-                         f"{checkpointing.TRACKER}")
-
-
 def _check_optimizer_layout(args: argparse.Namespace, path: str) -> None:
     """The refusal the optimizer's load would raise after start-up (flat distributed-optimizer
     states saved in another expert parameter layout), said before it."""
-    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_FIELDS, bucket_layout_refusal
+    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_FIELDS
 
-    current = {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()}
-    for sharding_type, saved in checkpointing.optimizer_layouts_saved_at(path):
-        refusal = bucket_layout_refusal(sharding_type, saved, current)
-        if refusal is not None:
-            raise ValueError(f"--load {path}: {refusal}")
+    refusal = checkpointing.optimizer_layout_refusal(
+        path, {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()})
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _ffn_default(values: dict) -> Optional[int]:

@@ -61,6 +61,7 @@ from megatron.moe_patches.checkpoint.on_disk import (  # noqa: F401
     iteration_dir,
     latest_iteration,
     newest_complete_iteration,
+    optimizer_layout_refusal,
     optimizer_layouts_saved_at,
     read_common_state,
 )
