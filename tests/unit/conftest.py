@@ -1,6 +1,7 @@
 """Helpers of the driver's CPU tests: one rank, a one-rank process group, and what a refused
 command line prints."""
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -14,11 +15,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ERROR = "pretrain_gpt.py: error: "
 
 
+@pytest.fixture(autouse=True)
+def launched_rank(monkeypatch):
+    """The tests that set WORLD_SIZE stand for one rank of a launched job: torchrun sets RANK
+    with it (the driver refuses WORLD_SIZE > 1 without RANK); rank 0 unless a test says."""
+    if "RANK" not in os.environ:
+        monkeypatch.setenv("RANK", "0")
+
+
 @pytest.fixture
 def one_rank(monkeypatch):
-    """No launcher around: WORLD_SIZE and RANK unset."""
+    """Rank 0 of one: WORLD_SIZE unset (a test that sets it stands for rank 0 of a launched job,
+    whose launcher sets RANK with it)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("RANK", "0")
 
 
 def _parse_as_entry_point(argv):

@@ -87,6 +87,7 @@ def test_sequence_multiple_is_megatron_cores_split(tp, cp, sp, multiple):
 
 def test_seq_length_that_sequence_parallelism_cannot_split_is_refused(monkeypatch, refused, parsed):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")  # as torchrun sets it
     tp_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     assert refused([*REQUIRED, "--seq-length", "255", *tp_sp]) == (
         "--seq-length 255 must be a multiple of 2 with --sequence-parallel and --tensor-model-parallel-size 2 "

@@ -65,16 +65,11 @@ def test_fewer_samples_than_one_batch_are_refused(refused, parsed):
     assert parsed([*SAMPLES, "--train-samples", "8", "--global-batch-size", "8"]).train_iters == 1
 
 
-@pytest.mark.parametrize("length, says", [
-    (["--train-iters", "4"], "--train-iters 4 has reached"),
-    (["--train-iters", "2"], "--train-iters 2 has reached"),
-    (["--train-samples", "3", "--global-batch-size", "1"], "--train-samples 3 (3 iterations) has reached"),
-])
-def test_a_resume_at_or_past_the_end_is_refused(tmp_path, length, says, refused):
+def test_a_resume_at_the_end_passes_to_save_it_again(tmp_path, parsed):
+    """Loading a checkpoint at the run's last iteration trains nothing and saves it again: how a
+    checkpoint moves to another layout or parallelism (as in Megatron-LM), not a mistake."""
     root = checkpoint_root(tmp_path / "ckpt", 4)
-    assert refused([*SAMPLES, *length, "--load", str(root)]) == (
-        f"--load {root} resumes at iteration 4, which {says}: nothing would be trained; raise the run's length, "
-        "or point --load elsewhere")
+    assert parsed([*SAMPLES, "--train-iters", "4", "--load", str(root)]).train_iters == 4
 
 
 def test_a_resume_before_the_end_passes(tmp_path, parsed):
@@ -184,3 +179,12 @@ def test_launcher_node_variables_as_torchrun_sets_them_pass(monkeypatch, parsed)
                         "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     parsed(REQUIRED)
+
+
+def test_a_world_size_without_a_rank_is_refused(monkeypatch, refused):
+    """WORLD_SIZE > 1 without RANK (not torchrun): every process would be rank 0 and wait at the
+    rendezvous for ranks that never come."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    line = refused(list(REQUIRED))
+    assert line.startswith("WORLD_SIZE=2 is set but RANK is not: start the 2 processes with torchrun")

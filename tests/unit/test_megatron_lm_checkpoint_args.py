@@ -78,7 +78,7 @@ def megatron_lm_checkpoint(root, args: argparse.Namespace):
 
 # This run's settings (a checkpoint never imposes them).
 RUN = ["--bf16", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--micro-batch-size", "2",
-       "--train-iters", "10", "--lr", "0.001"]
+       "--train-iters", "40", "--lr", "0.001"]
 # The model args the driver takes from that checkpoint, in its own names.
 TAKEN = dict(
     num_layers=4, hidden_size=512, ffn_hidden_size=1344, num_attention_heads=8, num_query_groups=2,
@@ -108,7 +108,7 @@ def test_use_checkpoint_args_restores_a_megatron_lm_checkpoints_args(tmp_path, p
     args = parsed(["--load", str(root), "--use-checkpoint-args", *RUN, "--hidden-size", "64"])
     assert {name: getattr(args, name) for name in TAKEN} == TAKEN  # the checkpoint's model, not --hidden-size 64
     # Run settings stay this run's, not Megatron-LM's.
-    assert (args.micro_batch_size, args.train_iters, args.lr, args.expert_model_parallel_size) == (2, 10, 0.001, 1)
+    assert (args.micro_batch_size, args.train_iters, args.lr, args.expert_model_parallel_size) == (2, 40, 0.001, 1)
     assert args.seed != 4321
     assert "--use-checkpoint-args: took " in capsys.readouterr().out
 

@@ -226,7 +226,7 @@ def gpu_machine_without_gpu(monkeypatch):
     """No visible GPU; Triton importable (it comes with CUDA builds of torch)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(capabilities, "triton_available", lambda: True)
-    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("RANK", "0")  # rank 0 of what the command launches
     monkeypatch.delenv("LOCAL_RANK", raising=False)
 
 

@@ -537,6 +537,11 @@ def check_environment(args: argparse.Namespace) -> int:
     ranks, the package's switches, and the determinism settings of --deterministic-mode.
     Returns the world size."""
     world = world_size_from_env()
+    if world > 1 and "RANK" not in os.environ:
+        # Each process would take rank 0 and wait for the others at the rendezvous forever.
+        raise ValueError(f"WORLD_SIZE={world} is set but RANK is not: start the {world} processes with torchrun "
+                         f"(torchrun --nproc-per-node {world} ...), which sets RANK, LOCAL_RANK, MASTER_ADDR and "
+                         "MASTER_PORT for each, or unset WORLD_SIZE for one process")
     for name in ("RANK", "LOCAL_RANK"):
         _launcher_int(name, 0, 0, world - 1, f"a rank from 0 to {world - 1} (WORLD_SIZE {world})")
     _launcher_int("MASTER_PORT", 0, 1, 65535, "a TCP port (1 to 65535)")
@@ -1236,32 +1241,12 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         if args.train_iters == 0:  # Megatron-LM would run no iteration and stop without a word
             raise ValueError(f"--train-samples {args.train_samples} is less than one --global-batch-size "
                              f"{args.global_batch_size}: no iteration would run; give at least one batch of samples")
-    _check_resume_before_the_end(args)
     _check_split(args)
     _check_validation_split(args)
     _check_data_path(args)
     for name in OUTPUT_DIRS:
         if getattr(args, name, None):
             _check_output_dir(_flag(name), getattr(args, name))
-
-
-def _check_resume_before_the_end(args: argparse.Namespace) -> None:
-    """A run resumed at or past its last iteration trains nothing (the loop ends before it
-    starts) and would stop without a word: refused, naming the iteration --load resumes at."""
-    if not args.load or getattr(args, "finetune", False):
-        return
-    try:
-        path, _ = checkpointing.find_checkpoint(args.load)
-    except ValueError:
-        return  # check_load named it
-    if path is None:
-        return
-    iteration = checkpointing.latest_iteration(args.load)
-    if iteration is not None and iteration >= args.train_iters:
-        length = (f"--train-samples {args.train_samples} ({args.train_iters} iterations)" if args.train_samples
-                  else f"--train-iters {args.train_iters}")
-        raise ValueError(f"--load {args.load} resumes at iteration {iteration}, which {length} has reached: "
-                         "nothing would be trained; raise the run's length, or point --load elsewhere")
 
 
 def batch_calculator(args: argparse.Namespace, rank: int = 1):
