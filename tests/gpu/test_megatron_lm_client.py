@@ -9,6 +9,9 @@ lines README adds (megatron.moe_patches.testing.megatron_lm_pretrain), a tiny GP
 - --use-checkpoint-args restores the patch flags.
 - Megatron-LM's default --gradient-accumulation-fusion trains without APEX (F13): TE experts
   and the fast path, eager and graphed (graphed equals eager bitwise), tracking the unfused run.
+- The expert exchange (F12) at EP 2 and 4, graphed, equal to eager and tracking EP 1.
+- The driver's sample-based schedule, batch-size ramp-up and evaluation follow Megatron-LM's
+  on the same flags.
 
 Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout."""
 
@@ -187,3 +190,59 @@ def test_gradient_accumulation_fusion_trains_without_apex():
         # fused sums each micro-batch's weight gradient in fp32, unfused rounds it to bf16 first
         assert float(fused[step]) == pytest.approx(float(unfused[step]), rel=1e-2)
         assert float(te_experts[step]) == pytest.approx(float(unfused[step]), rel=5e-2)
+
+
+# A sample-based run with a batch-size ramp-up and evaluation, as Megatron-LM's own example
+# configures them: 48 samples, the global batch 2 -> 4 -> 6 -> 8 over the first 24 samples.
+SAMPLES = ["--train-samples", "48", "--rampup-batch-size", "2", "2", "24", "--lr-warmup-samples", "8",
+           "--lr-decay-samples", "40", "--eval-interval", "3", "--eval-iters", "2", "--split", "80,20,0"]
+ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?"
+                            r"learning rate: ([0-9.E+-]+) \| global batch size:\s+(\d+) \| lm loss: ([0-9.E+-]+)")
+VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: ([0-9.E+-]+)")
+
+
+def schedule(output):
+    """(iteration, consumed samples, learning rate, global batch size) per logged iteration, and
+    (iteration, which split, loss) per validation line."""
+    steps = [m.groups()[:4] for m in ITERATION_LINE.finditer(output)]
+    evals = [(int(m.group(1)), (m.group(2) or "").strip(), float(m.group(3))) for m in VALIDATION_LINE.finditer(output)]
+    return steps, evals
+
+
+def driver(*flags):
+    """This package's pretrain_gpt.py on the same flags as ``megatron_lm`` (its Megatron-LM names)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
+           str(Path(__file__).resolve().parents[2] / "pretrain_gpt.py"), *flags]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run.stdout
+
+
+def test_samples_rampup_and_evaluation_follow_megatron_lms_loop():
+    """The driver's sample-based schedule, ramp-up and evaluation against Megatron-LM's on the same
+    flags: the same iterations, consumed samples, learning rates and global batch sizes, and
+    validation at the same iterations (and at the end); the losses of both loops are finite and
+    close (the two loops build the same model from the same seed)."""
+    base = [flag for i, flag in enumerate(TINY) if flag not in ("--lr-warmup-iters", "--lr-decay-iters", "--split",
+                                                               "--eval-iters", "--eval-interval")
+            and TINY[i - 1] not in ("--lr-warmup-iters", "--lr-decay-iters", "--split", "--eval-iters",
+                                    "--eval-interval")]
+    flags = [*base, *FAST, *SAMPLES]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
+           "-m", "megatron.moe_patches.testing.megatron_lm_pretrain", *flags]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", NCCL_ALGO="Ring")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), CHECKOUT]))
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    theirs, their_evals = schedule(run.stdout)
+    # the driver keeps megatron-core's process-group defaults (it refuses a timeout flag by name)
+    timeout = flags.index("--distributed-timeout-minutes")
+    ours, our_evals = schedule(driver(*flags[:timeout], *flags[timeout + 2:]))
+    print(f"Megatron-LM {theirs} {their_evals}\ndriver {ours} {our_evals}")
+    assert [s[:4] for s in ours] == [s[:4] for s in theirs] and len(theirs) > 5
+    assert [int(s[3]) for s in theirs][0] == 2 and int(theirs[-1][3]) == 8  # the ramp, as asked
+    assert [(i, split) for i, split, _ in our_evals] == [(i, split) for i, split, _ in their_evals]
+    assert any(split == "" for _, split, _ in their_evals) and any(split for _, split, _ in their_evals)
+    for (_, _, mine), (_, _, megatron) in zip(our_evals, their_evals):
+        assert mine == pytest.approx(megatron, rel=0.05)
