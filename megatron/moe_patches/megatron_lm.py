@@ -267,7 +267,7 @@ def check_load_before_start(args: argparse.Namespace) -> None:
                         "checkpoint directory, or drop --exit-on-missing-checkpoint to train from scratch")
                 return  # Megatron-LM trains from scratch, and says so
         if not getattr(args, "use_checkpoint_args", False):
-            _check_model_shape(args, path, on_disk)
+            _check_model_shape(args, path)
         if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
             current = {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()}
             refusal = on_disk.optimizer_layout_refusal(path, current)
@@ -293,9 +293,11 @@ MODEL_SHAPE = {
 }
 
 
-def _check_model_shape(args: argparse.Namespace, path: str, on_disk) -> None:
+def _check_model_shape(args: argparse.Namespace, path: str) -> None:
     """Refuse a checkpoint whose saved args (Megatron-LM's Namespace) give the model other
     shapes than this run's flags: its load would fail after start-up, tensor by tensor."""
+    from megatron.moe_patches.checkpoint import on_disk
+
     try:
         saved = on_disk.read_common_state(path).get("args")
     except Exception:  # noqa: BLE001 - an unreadable common state: find_checkpoint named it already
