@@ -245,7 +245,6 @@ def check_load_before_start(args: argparse.Namespace) -> None:
     end the run with one ``error:`` line and exit status 2 instead of failing after start-up.
     Other checkpoint formats and Megatron-LM's "release" checkpoints are left to Megatron-LM."""
     from megatron.moe_patches.checkpoint import on_disk
-    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_FIELDS
 
     root = getattr(args, "load", None)
     if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist" or _names_a_release(root):
@@ -262,15 +261,12 @@ def check_load_before_start(args: argparse.Namespace) -> None:
             path, missing = on_disk.find_checkpoint(root)
             if path is None:
                 if getattr(args, "exit_on_missing_checkpoint", False):
-                    raise on_disk.CheckpointError(
-                        f"--load {root}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
-                        "checkpoint directory, or drop --exit-on-missing-checkpoint to train from scratch")
+                    raise on_disk.missing_checkpoint_refusal(root, missing)
                 return  # Megatron-LM trains from scratch, and says so
         if not getattr(args, "use_checkpoint_args", False):
             _check_model_shape(args, path)
         if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
-            current = {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()}
-            refusal = on_disk.optimizer_layout_refusal(path, current)
+            refusal = on_disk.optimizer_layout_refusal(path, args)
             if refusal is not None:
                 raise on_disk.CheckpointError(refusal)
     except on_disk.CheckpointError as error:

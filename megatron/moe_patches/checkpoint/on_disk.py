@@ -239,6 +239,13 @@ def _check_readable(root: str, folder: str) -> None:
                               "execute permission on it (chmod u+rx), or point --load elsewhere")
 
 
+def missing_checkpoint_refusal(root: str, missing: str) -> CheckpointError:
+    """--exit-on-missing-checkpoint's refusal of a ``--load`` without a checkpoint (``missing``:
+    ``find_checkpoint``'s reason)."""
+    return CheckpointError(f"--load {root}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
+                           "checkpoint directory, or drop --exit-on-missing-checkpoint to train from scratch")
+
+
 def _refuse_an_iteration_given(root: str) -> None:
     """``--load`` given one iteration's directory (``iter_*``, holding its files) instead of the
     checkpoint directory above it: no tracker there, so it would train from scratch."""
@@ -376,12 +383,13 @@ def optimizer_layouts_saved_at(path: str) -> list:
     return found
 
 
-def optimizer_layout_refusal(path: str, current: dict) -> Optional[str]:
-    """Why the distributed-optimizer states saved at ``path`` cannot load into a run whose
-    expert parameter layout is ``current`` (``optimizer_state.LAYOUT_FIELDS``' values), or
-    None: the patched optimizer's own rule (F7), read from the files before start-up."""
-    from megatron.moe_patches.checkpoint.optimizer_state import bucket_layout_refusal
+def optimizer_layout_refusal(path: str, run) -> Optional[str]:
+    """Why the distributed-optimizer states saved at ``path`` cannot load into ``run`` (its
+    args or config: the expert parameter layout it sets), or None: the patched optimizer's own
+    rule (F7), read from the files before start-up."""
+    from megatron.moe_patches.checkpoint.optimizer_state import bucket_layout_refusal, param_layout
 
+    current = param_layout(run)
     for sharding_type, saved in optimizer_layouts_saved_at(path):
         refusal = bucket_layout_refusal(sharding_type, saved, current)
         if refusal is not None:

@@ -712,10 +712,7 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
     path, missing = checkpointing.find_checkpoint(args.load)
     if path is None:
         if getattr(args, "exit_on_missing_checkpoint", False):
-            raise ValueError(
-                f"--load {args.load}: {missing}, and --exit-on-missing-checkpoint is set: point --load at a "
-                "checkpoint directory, or drop --exit-on-missing-checkpoint to train from scratch"
-            )
+            raise checkpointing.missing_checkpoint_refusal(args.load, missing)
         if args.use_checkpoint_args:
             raise ValueError(
                 f"--use-checkpoint-args: --load {args.load} has no checkpoint to take the args from ({missing}); "
@@ -744,10 +741,7 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
 def _check_optimizer_layout(args: argparse.Namespace, path: str) -> None:
     """The refusal the optimizer's load would raise after start-up (flat distributed-optimizer
     states saved in another expert parameter layout), said before it."""
-    from megatron.moe_patches.checkpoint.optimizer_state import LAYOUT_FIELDS
-
-    refusal = checkpointing.optimizer_layout_refusal(
-        path, {name: getattr(args, name, stock) for name, stock in LAYOUT_FIELDS.items()})
+    refusal = checkpointing.optimizer_layout_refusal(path, args)
     if refusal is not None:
         raise ValueError(refusal)
 

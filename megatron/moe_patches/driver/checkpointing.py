@@ -60,6 +60,7 @@ from megatron.moe_patches.checkpoint.on_disk import (  # noqa: F401
     incomplete_reason,
     iteration_dir,
     latest_iteration,
+    missing_checkpoint_refusal,
     newest_complete_iteration,
     optimizer_layout_refusal,
     optimizer_layouts_saved_at,
