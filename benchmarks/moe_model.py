@@ -77,6 +77,32 @@ VARIANTS = {
     # F13: Megatron-LM's default gradient-accumulation fusion, without APEX
     "graphed-fused": FAST + GRAPHS,
 }
+BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+PRECISIONS = {
+    "bf16": [],
+    "fp8": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+    "fp8-blockwise": BLOCKWISE,
+    "fp8-blockwise-bf16-wgrad": BLOCKWISE + ["--no-fp8-wgrad"],
+}
+LOOPS = ("megatron-lm", "driver")
+PEAK_LINE = "benchmark peak allocated MiB:"
+# Kernel families of the profiled iteration, first match wins (lower-case substrings).
+FAMILIES = (
+    ("attention", ("flash", "fmha", "cudnn", "attn")),
+    ("expert GEMMs", ("grouped", "groupproblemshape", "_scaled_mm", "f8f8", "deep_gemm")),
+    ("fp32 grad accumulation", ("cudafunctor_add<float>",)),
+    ("optimizer", ("multi_tensor", "adam", "l2norm", "scale_kernel")),
+    ("FP8 quantization", ("cast_transpose", "quantize", "weight_tiles_kernel", "rows_kernel", "both_kernel", "amax")),
+    ("other GEMMs", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("permute / routing", ("permute", "sort", "topk", "router", "histogram", "cumsum", "scatter", "gather",
+                           "index")),
+    ("normalization / rope", ("norm", "rope", "rotary")),
+    ("loss / embedding", ("cross_entropy", "embedding", "log_softmax", "vocab")),
+    ("communication", ("nccl",)),
+    ("memcpy / memset", ("memcpy", "memset")),
+)
+
+
 def run_child(loop: str) -> None:
     """Inside the torchrun worker: run the loop's pretrain_gpt.py, then print torch's peak."""
     import torch

@@ -5,6 +5,7 @@ user would run the edited file: ``python -m megatron.moe_patches.testing.megatro
 
 import os
 import sys
+import types
 
 EDIT_FROM = 'if __name__ == "__main__":\n'
 EDIT_TO = EDIT_FROM + "    megatron_lm.enable()\n"
@@ -37,7 +38,12 @@ def main() -> None:
     if as_shipped:
         _stock_run_on_the_wheel()
     source = open(path).read() if as_shipped else edited_source(path)
-    exec(compile(source, path, "exec"), {"__name__": "__main__", "__file__": path})
+    # The file runs as the process's __main__ module, as `python pretrain_gpt.py` runs it:
+    # enable() rebinds the names pretrain_gpt.py imported into sys.modules["__main__"].
+    script = types.ModuleType("__main__")
+    script.__file__ = path
+    sys.modules["__main__"] = script
+    exec(compile(source, path, "exec"), script.__dict__)
 
 
 if __name__ == "__main__":
