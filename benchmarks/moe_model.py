@@ -76,6 +76,11 @@ VARIANTS = {
     "graphed": FAST + GRAPHS + NO_FUSION,
     # F13: Megatron-LM's default gradient-accumulation fusion, without APEX
     "graphed-fused": FAST + GRAPHS,
+    # each transformer layer whole in one graph (attention and MoE; no --cuda-graph-scope)
+    "graphed-layer": FAST + ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-warmup-steps", str(GRAPH_WARMUP)],
+    # megatron-core's capture of the whole iteration (every micro-batch's forward and backward)
+    "full-iteration": FAST + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration",
+                              "--cuda-graph-warmup-steps", str(GRAPH_WARMUP), "--no-check-for-nan-in-loss-and-grad"],
 }
 BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
 PRECISIONS = {
@@ -185,7 +190,11 @@ def parse(output: str, warmup: int) -> dict:
 
 
 def captured(output: str):
-    counts = re.findall(r"moe_patches: captured (\d+) MoE layers as CUDA graphs", output)
+    """Layers the patch set captured (MoE layers, or transformer layers whole); 'iteration' where
+    the whole iteration was captured."""
+    if "Capture CUDA graph for training" in output or "captured the whole training iteration" in output:
+        return "iteration"
+    counts = re.findall(r"moe_patches: captured (\d+) (?:MoE|transformer) layers", output)
     return sum(int(n) for n in counts)
 
 
@@ -282,8 +291,8 @@ def one(loop, variant, precision, iters, global_batch, warmup, device, extra=())
     line.update(parse(output, warmup))
     if line["ms"]:
         line["tokens_per_s"] = round(global_batch * SEQ / (line["ms"] / 1000.0))
-    if variant.startswith("graphed"):
-        line["captured_moe_layers"] = captured(output)
+    if variant != "stock" and variant != "eager":
+        line["captured"] = captured(output)
     return line
 
 

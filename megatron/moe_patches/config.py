@@ -30,6 +30,7 @@ from megatron.moe_patches.fields import (
     uses_legacy_grouped_gemm,
 )
 from megatron.moe_patches.plan import expert_tp_size, graphs_dropless_moe, plan_for, scope_names
+from megatron.moe_patches.plan.graphs import MOE_SCOPE, WHOLE_LAYER_SCOPES
 
 logger = logging.getLogger(__name__)
 
@@ -139,19 +140,24 @@ def validate_moe_patch_config(config) -> None:
         errors.extend(plan.exchange.contradictions)
 
     if graphs_dropless_moe(config):  # (implies is_moe)
-        reason = plan.graph_blocker
-        if reason is not None:
+        names = scope_names(config.cuda_graph_scope)
+        scope = " ".join(names) or "(none: the whole layer)"
+        if frozenset(names) not in (MOE_SCOPE, *WHOLE_LAYER_SCOPES):
             errors.append(
-                f"cuda_graph_scope=moe for dropless MoE needs the graph-safe MoE layer (F11), and "
-                f"this config cannot have it: {reason}. Fix that, or drop moe from --cuda-graph-scope."
-            )
-        others = [name for name in scope_names(config.cuda_graph_scope) if name != "moe"]
-        if others:
+                f"cuda_graph_scope={scope}: for dropless MoE the patch set captures each MoE layer "
+                "(--cuda-graph-scope moe) or each transformer layer whole (no --cuda-graph-scope, or attn moe), "
+                "and megatron-core's other scopes would capture the MoE layers again; use one of those.")
+        elif plan.graph_blocker is not None:
             errors.append(
-                f"cuda_graph_scope={' '.join(['moe', *others])}: the patch set captures dropless MoE "
-                "layers itself, and megatron-core's other scopes would capture them again; use "
-                "--cuda-graph-scope moe alone."
-            )
+                f"cuda_graph_scope={scope} for dropless MoE needs the graph-safe MoE layer (F11) in a CUDA graph "
+                f"of the {plan.graph_unit}, and this config cannot have it: {plan.graph_blocker}. Fix that, or "
+                + ("drop moe from --cuda-graph-scope." if "moe" in names
+                   else "give --cuda-graph-scope attn (megatron-core's graphs of the attention alone)."))
+    elif is_moe and plan.full_iteration_blocker is not None:
+        errors.append(
+            "cuda_graph_scope=full_iteration replays every micro-batch's forward and backward, MoE layers "
+            f"included, as one CUDA graph, and this config's MoE layers cannot be in it: "
+            f"{plan.full_iteration_blocker}.")
 
     if errors:
         raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))

@@ -212,7 +212,7 @@ def _training_graphs_at_ep(args: argparse.Namespace):
     lifted = (getattr(args, "cuda_graph_impl", "none") == "local"
               and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1
               and getattr(args, "num_experts", None)
-              and "moe" in scope_names(getattr(args, "cuda_graph_scope", None))
+              and _graphs_take_in_moe(scope_names(getattr(args, "cuda_graph_scope", None)))
               and not getattr(args, "moe_pad_experts_for_cuda_graph_inference", False))
     if lifted:
         args.moe_pad_experts_for_cuda_graph_inference = True
@@ -221,6 +221,11 @@ def _training_graphs_at_ep(args: argparse.Namespace):
     finally:
         if lifted:
             args.moe_pad_experts_for_cuda_graph_inference = False
+
+
+def _graphs_take_in_moe(names) -> bool:
+    """The moe scope, or the whole layer (no scope)."""
+    return "moe" in names or not names
 
 
 def check_config_before_start(args: argparse.Namespace) -> None:

@@ -182,11 +182,12 @@ def test_megatron_lm_validating_its_args_checks_the_patch_config_before_start_up
     fake_training.initialize.initialize_megatron(bad)  # unwrapped: nothing checked here any more
 
 
-@pytest.mark.parametrize("scope", [["moe"], ["attn"], []])
+@pytest.mark.parametrize("scope", [["moe"], ["attn"], [], ["attn", "moe"], ["full_iteration"]])
 def test_moe_graphs_at_ep_pass_megatron_lms_inference_padding_rule(fake_training, monkeypatch, scope):
     """Megatron-LM asserts an inference-only flag for local graphs at EP > 1; for the patch
-    set's MoE graphs (scope moe) its own rule judges the config instead, and the user's value
-    of the flag is what the run keeps. Other scopes meet Megatron-LM's assertion as before."""
+    set's MoE graphs (scope moe, or the whole layer) its own rule judges the config instead, and
+    the user's value of the flag is what the run keeps. Other scopes meet Megatron-LM's
+    assertion as before."""
     from megatron.core.transformer.enums import CudaGraphScope
 
     megatron_lm.enable()
@@ -194,7 +195,7 @@ def test_moe_graphs_at_ep_pass_megatron_lms_inference_padding_rule(fake_training
     args = parsed_defaults(use_checkpoint_args=False, num_experts=8, expert_model_parallel_size=2,
                            cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope[s] for s in scope],
                            moe_pad_experts_for_cuda_graph_inference=False)
-    if scope != ["moe"]:
+    if scope not in (["moe"], [], ["attn", "moe"]):
         with pytest.raises(AssertionError, match="moe-pad-experts-for-cuda-graph-inference"):
             fake_training.initialize.initialize_megatron(args)
         return

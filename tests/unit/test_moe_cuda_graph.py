@@ -110,18 +110,24 @@ def test_other_scopes_and_drop_and_pad_stay_megatron_cores():
                moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 
 
-def test_a_replay_lets_the_backend_refresh_its_weight_copies_first():
+def test_a_replay_lets_the_backend_refresh_its_weight_copies_first(monkeypatch):
     """Wiring: the host work a graph leaves (FP8 weight copies after an optimizer step) runs
-    before the forward graph replays, on the same stream (the replay reads its result)."""
-    from megatron.moe_patches.graphs.moe_layer_graphs import _Replay
+    before the forward graph replays, on the same stream (the replay reads its result), and
+    the call's inputs (hidden states, keyword tensors of a whole layer) are copied in first."""
+    from megatron.moe_patches.graphs.moe_layer_graphs import _Captured, _Replay
 
     calls = []
-    captured = types.SimpleNamespace(
-        before_replay=lambda: calls.append("refresh"),
-        fwd_graph=types.SimpleNamespace(replay=lambda: calls.append("replay")),
-        static_x=torch.zeros(2, 3), static_out=torch.ones(2, 3))
-    out = _Replay.apply(captured, torch.full((2, 3), 5.0), torch.zeros(1, requires_grad=True))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: calls.append("replay")))
+    backend = types.SimpleNamespace(refresh_weight_caches=lambda: calls.append("refresh"))
+    layer = torch.nn.Module()
+    layer.experts = torch.nn.Module()
+    layer.experts.backend = backend
+    captured = _Captured(layer, torch.zeros(2, 3), {"rotary_pos_emb": torch.zeros(4)})
+    captured.static_out = torch.ones(2, 3)
+    out = _Replay.apply(captured, torch.full((2, 3), 5.0), {"rotary_pos_emb": torch.arange(4.0)},
+                        torch.zeros(1, requires_grad=True))
     assert calls == ["refresh", "replay"] and torch.equal(captured.static_x, torch.full((2, 3), 5.0))
+    assert torch.equal(captured.static_kwargs["rotary_pos_emb"], torch.arange(4.0))
     assert torch.equal(out, torch.ones(2, 3))
 
 
@@ -182,11 +188,24 @@ def test_driver_accepts_moe_graphs_on_the_sync_free_path(parsed, one_rank):
     assert (args.cuda_graph_impl, args.cuda_graph_scope, args.cuda_graph_warmup_steps) == ("local", ["moe"], 2)
 
 
+@pytest.mark.parametrize("scope", [[], ["attn", "moe"], ["full_iteration", "--no-check-for-nan-in-loss-and-grad"]])
+def test_driver_accepts_whole_layer_and_whole_iteration_graphs(parsed, one_rank, scope):
+    args = parsed([*TINY, "--moe-device-tokens-per-expert", "--cuda-graph-impl", "local",
+                   *(["--cuda-graph-scope", *scope] if scope else [])])
+    assert [s for s in args.cuda_graph_scope] == [s for s in scope if not s.startswith("--")]
+
+
 @pytest.mark.parametrize("extra, expected", [
     (["--cuda-graph-impl", "local", "--cuda-graph-scope", "moe"], "set --moe-device-tokens-per-expert"),
+    (["--cuda-graph-impl", "local"], "set --moe-device-tokens-per-expert"),  # the whole layer holds the MoE layer
     (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"],
-     "captures the moe scope only"),
-    (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "transformer_engine"], "captures the moe scope only"),
+     "captures moe (each MoE layer), each transformer layer whole"),
+    (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope",
+      "full_iteration", "--no-check-for-nan-in-loss-and-grad"], "full_iteration needs --cuda-graph-impl local"),
+    (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+     "needs --no-check-for-nan-in-loss-and-grad"),
+    (["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--no-check-for-nan-in-loss-and-grad"],
+     "full_iteration replays every micro-batch"),
     (["--moe-device-tokens-per-expert", "--cuda-graph-scope", "moe"], "--cuda-graph-scope needs --cuda-graph-impl"),
 ])
 def test_driver_refuses_graphs_it_cannot_run(refused, one_rank, extra, expected):
@@ -210,11 +229,11 @@ def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
 
     replays = []
     monkeypatch.setattr(moe_cuda_graph._Replay, "apply",
-                        staticmethod(lambda captured, x, *params: replays.append(len(params)) or "replayed"))
+                        staticmethod(lambda captured, x, kw, *params: replays.append(len(params)) or "replayed"))
     layer = _EagerLayer()
-    captured = types.SimpleNamespace(params=[layer.weight], replays=0)
-    layer.forward = moe_cuda_graph._graphed_forward(layer, captured, (8, 2, 4), torch.bfloat16)
     x = torch.zeros(8, 2, 4, dtype=torch.bfloat16)
+    captured = types.SimpleNamespace(params=[layer.weight], replays=0, signature=moe_cuda_graph.call_signature(x, {}))
+    layer.forward = moe_cuda_graph._graphed_forward(layer, captured)
 
     assert layer(x) == ("replayed", None) and replays == [1]
     assert layer(x, padding_mask=None, intermediate_tensors=None) == ("replayed", None)

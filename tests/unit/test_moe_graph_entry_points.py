@@ -39,14 +39,15 @@ def fused_permute_kernels(monkeypatch):
 
 @pytest.fixture
 def captures(monkeypatch):
-    """capture_moe_layers stood in for: what each call was asked to capture."""
+    """capture_layers stood in for: what each call was asked to capture."""
     calls = []
 
-    def capture(layers, shape, dtype, config, when):
-        calls.append(types.SimpleNamespace(layers=list(layers), shape=shape, dtype=dtype, when=when))
+    def capture(layers, shape, dtype, config, when, kwargs=None):
+        calls.append(types.SimpleNamespace(layers=list(layers), shape=shape, dtype=dtype, when=when,
+                                           kwargs=kwargs))
         return types.SimpleNamespace(replays=0, uninstall=lambda: None)
 
-    monkeypatch.setattr(moe_cuda_graph, "capture_moe_layers", capture)
+    monkeypatch.setattr(moe_cuda_graph, "capture_layers", capture)
     monkeypatch.setattr(moe_cuda_graph, "_local_captures", moe_cuda_graph._LocalCaptures())
     return calls
 
@@ -203,21 +204,123 @@ def test_create_cudagraphs_runs_megatron_cores_own_first(monkeypatch, captures):
 # --- the config rule -----------------------------------------------------------------------------
 
 
-def test_other_scopes_beside_moe_are_refused_by_name():
-    with pytest.raises(ValueError, match="use --cuda-graph-scope moe alone"):
-        config(cuda_graph_scope=["attn", "moe"])
+@pytest.mark.parametrize("scope", [["moe", "mlp"], ["moe", "moe_preprocess"], ["attn", "moe", "mlp"]])
+def test_other_scopes_beside_moe_are_refused_by_name(scope):
+    with pytest.raises(ValueError, match="each MoE layer .--cuda-graph-scope moe. or each transformer layer whole"):
+        config(cuda_graph_scope=scope)
+
+
+@pytest.mark.parametrize("scope", [[], ["attn", "moe"], "attn,moe"])
+def test_the_whole_layer_scopes_are_accepted_and_planned(scope):
+    from megatron.moe_patches.plan import captures_whole_layers, plan_for
+
+    c = config(cuda_graph_scope=scope)
+    assert captures_whole_layers(c) and plan_for(c).graph_unit == "transformer layer"
+    assert plan_for(c).graph_blocker is None
+
+
+def test_fp8_in_the_whole_layer_is_named():
+    """(An FP8 config needs Transformer Engine to be built: the rule is asked directly.)"""
+    from megatron.moe_patches.plan.graphs import _whole_layer_blocker
+
+    fp8 = types.SimpleNamespace(fp8="e4m3", recompute_granularity=None, context_parallel_size=1,
+                                cuda_graph_impl="local", cuda_graph_warmup_steps=1)
+    assert "FP8 in the attention" in _whole_layer_blocker(fp8)
+    assert _whole_layer_blocker(types.SimpleNamespace(**{**vars(fp8), "fp8": None})) is None
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(recompute_granularity="selective", recompute_modules=["core_attn"]), "recompute inside the captured"),
+    (dict(cuda_graph_warmup_steps=0), "--cuda-graph-warmup-steps 0"),
+])
+def test_what_the_whole_layer_cannot_capture_is_refused_by_name(overrides, named):
+    with pytest.raises(ValueError, match=named):
+        config(cuda_graph_scope=[], **overrides)
+    config(cuda_graph_scope="moe", **overrides)  # the MoE layer alone can be captured
+
+
+def test_full_iteration_needs_a_graph_safe_moe_layer():
+    with pytest.raises(ValueError, match="full_iteration .* copies token counts to the host"):
+        config(cuda_graph_impl="local", cuda_graph_scope="full_iteration", moe_device_tokens_per_expert=False)
+    config(cuda_graph_impl="local", cuda_graph_scope="full_iteration")  # the sync-free layer can be in it
 
 
 # --- a replay runs the forward pre-hooks of the submodules it skips -------------------------------
 
 
 def test_a_replay_runs_the_skipped_submodules_forward_pre_hooks(monkeypatch):
-    monkeypatch.setattr(moe_cuda_graph._Replay, "apply", staticmethod(lambda captured, x, *params: "replayed"))
+    monkeypatch.setattr(moe_cuda_graph._Replay, "apply", staticmethod(lambda captured, x, kw, *params: "replayed"))
     layer = _MoE(config())
     seen = []
     layer.proj.register_forward_pre_hook(lambda module, args: seen.append(("proj", args)))
     layer.register_forward_pre_hook(lambda module, args: seen.append(("layer", len(args))))
-    captured = types.SimpleNamespace(params=list(layer.parameters()), replays=0)
-    layer.forward = moe_cuda_graph._graphed_forward(layer, captured, (8, 2, 4), torch.float32)
-    assert layer(torch.zeros(8, 2, 4)) == ("replayed", None)
+    x = torch.zeros(8, 2, 4)
+    captured = types.SimpleNamespace(params=list(layer.parameters()), replays=0,
+                                     signature=moe_cuda_graph.call_signature(x, {}))
+    layer.forward = moe_cuda_graph._graphed_forward(layer, captured)
+    assert layer(x) == ("replayed", None)
     assert seen == [("layer", 1), ("proj", ())]
+
+
+def test_a_whole_layer_replays_only_calls_like_the_captured_one(monkeypatch):
+    """The keyword tensors are part of what was captured: other shapes, packed-sequence
+    parameters or extra positional values run the layer eagerly."""
+    replayed = []
+    monkeypatch.setattr(moe_cuda_graph._Replay, "apply",
+                        staticmethod(lambda captured, x, kw, *params: replayed.append(sorted(kw)) or "replayed"))
+    layer = _MoE(config())
+    x, rope = torch.zeros(8, 2, 4), torch.zeros(8, 1, 1, 2)
+    captured = types.SimpleNamespace(params=list(layer.parameters()), replays=0,
+                                     signature=moe_cuda_graph.call_signature(x, {"rotary_pos_emb": rope}))
+    layer.forward = moe_cuda_graph._graphed_forward(layer, captured)
+    assert layer(x, rotary_pos_emb=rope, attention_mask=None) == ("replayed", None)
+    assert replayed == [["rotary_pos_emb"]]
+    eager = (x * 2, None)
+    for call in (dict(rotary_pos_emb=torch.zeros(4, 1, 1, 2)), dict(),
+                 dict(rotary_pos_emb=rope, packed_seq_params=object()),
+                 dict(rotary_pos_emb=rope, attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool))):
+        out = layer(x, **call)
+        assert out[1] is None and torch.equal(out[0], eager[0])
+    assert len(replayed) == 1 and captured.replays == 1
+
+
+class _Layer(TransformerLayer):
+    """A transformer layer as far as isinstance goes, with megatron-core's forward keywords."""
+
+    __call__ = torch.nn.Module.__call__  # (megatron-core's own looks for graphs it made)
+
+    def __init__(self, config):
+        torch.nn.Module.__init__(self)
+        self.config = config
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, packed_seq_params=None):
+        return hidden_states, None
+
+
+def test_whole_layers_are_captured_with_their_last_training_calls_keywords(captures):
+    """The TE helper notes each layer's training calls until its capture; the local manager
+    notes them at every layer call: both capture with the keyword tensors the layers got."""
+    c = config(cuda_graph_scope=[])
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_Layer(c) for _ in range(2)])
+    helper = moe_cuda_graph.MoEScopeGraphHelper([model], c, 16, 2, [])
+    x, rope = torch.zeros(16, 2, 64, dtype=torch.bfloat16), torch.randn(16, 1, 1, 8)
+    with torch.no_grad():
+        model.layers[0](hidden_states=x, rotary_pos_emb=torch.zeros(3))  # evaluation: not noted
+    for layer in model.layers:
+        layer(hidden_states=x, rotary_pos_emb=rope, attention_mask=None)
+    helper.create_cudagraphs()
+    assert len(captures) == 1 and captures[0].layers == list(model.layers)
+    assert captures[0].shape == (16, 2, 64) and list(captures[0].kwargs) == ["rotary_pos_emb"]
+    assert captures[0].kwargs["rotary_pos_emb"] is not None and torch.equal(captures[0].kwargs["rotary_pos_emb"], rope)
+    assert not model.layers[0]._forward_pre_hooks  # the noting ends with the capture
+
+    local = config(cuda_graph_impl="local", cuda_graph_scope=[], cuda_graph_warmup_steps=1)
+    dense = layer_with_mlp(ModuleSpec(module=MLP), local)
+    assert isinstance(dense.cudagraph_manager, moe_cuda_graph.MoEScopeGraphManager)
+    assert dense.cudagraph_manager.whole_layer  # every layer of the model, dense ones too
+    layer = _Layer(local)
+    dense.cudagraph_manager(layer, (), dict(hidden_states=x, rotary_pos_emb=rope, packed_seq_params=None))
+    moe_cuda_graph.create_cudagraphs()
+    assert len(captures) == 2 and captures[1].layers == [layer] and list(captures[1].kwargs) == ["rotary_pos_emb"]

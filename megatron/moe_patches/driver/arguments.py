@@ -269,13 +269,14 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
     )
     graphs = (
         _opt("--cuda-graph-impl", None, "none",
-             "Capture parts of each layer as CUDA graphs. With --cuda-graph-scope moe and "
-             "dropless MoE this driver captures each MoE layer's forward and backward itself "
-             "(F11: needs --moe-device-tokens-per-expert, EP 1, alltoall or allgather).",
+             "Capture the layers as CUDA graphs, forward and backward. Dropless MoE needs "
+             "--moe-device-tokens-per-expert and EP 1 or --moe-symmetric-exchange (F11).",
              choices=["none", "local", "transformer_engine"]),
         _opt("--cuda-graph-scope", None, [],
-             "What to capture: moe (the whole MoE layer), or megatron-core's attn, mlp, "
-             "moe_router, moe_preprocess (default: the whole layer).", nargs="+"),
+             "What to capture: moe (each MoE layer), attn moe or nothing (default: each "
+             "transformer layer whole), or full_iteration (--cuda-graph-impl local: every "
+             "micro-batch's forward and backward as one graph; needs "
+             "--no-check-for-nan-in-loss-and-grad).", nargs="+"),
         _opt("--cuda-graph-warmup-steps", int, 3, "Training steps run eagerly before the capture."),
     )
     precision = (
@@ -1152,12 +1153,7 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
     if args.tensorboard_dir and not _tensorboard_installed():
         raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
                          "(or this package's 'tensorboard' extra), or drop --tensorboard-dir")
-    if args.cuda_graph_impl != "none" and (args.cuda_graph_scope or []) != ["moe"]:
-        scope = " ".join(args.cuda_graph_scope or ["(the whole layer)"])
-        raise ValueError(f"--cuda-graph-impl {args.cuda_graph_impl} --cuda-graph-scope {scope}: this "
-                         "pretrain_gpt.py captures the moe scope only (each dropless MoE layer, forward and "
-                         "backward); use --cuda-graph-scope moe, or Megatron-LM's training loop for "
-                         "megatron-core's other graph scopes")
+    _check_graph_scope(args)
     if args.cuda_graph_scope and args.cuda_graph_impl == "none":
         raise ValueError("--cuda-graph-scope needs --cuda-graph-impl local or transformer_engine")
     _check_only_with(args)
@@ -1500,6 +1496,31 @@ def _parser_actions() -> Dict[str, argparse.Action]:
 @functools.lru_cache(maxsize=None)
 def _parser_defaults() -> Dict[str, object]:
     return {dest: action.default for dest, action in _parser_actions().items()}
+
+
+# The scopes this driver captures: the MoE layers, each layer whole, or the whole iteration.
+DRIVER_GRAPH_SCOPES = ({"moe"}, set(), {"attn", "moe"}, {"full_iteration"})
+
+
+def _check_graph_scope(args) -> None:
+    if args.cuda_graph_impl == "none":
+        return
+    scope = set(args.cuda_graph_scope or [])
+    given = " ".join(args.cuda_graph_scope or ["(none: each layer whole)"])
+    if scope not in DRIVER_GRAPH_SCOPES:
+        raise ValueError(f"--cuda-graph-scope {given}: this pretrain_gpt.py captures moe (each MoE layer), "
+                         "each transformer layer whole (no scope, or attn moe) or full_iteration; use one of "
+                         "those, or Megatron-LM's training loop for megatron-core's other graph scopes")
+    if scope == {"full_iteration"}:
+        if args.cuda_graph_impl != "local":
+            raise ValueError("--cuda-graph-scope full_iteration needs --cuda-graph-impl local (megatron-core's "
+                             "capture of the whole iteration)")
+        if args.check_for_nan_in_loss_and_grad:
+            raise ValueError("--cuda-graph-scope full_iteration needs --no-check-for-nan-in-loss-and-grad: the "
+                             "check reads each loss on the host, which a replayed iteration cannot")
+        if args.rampup_batch_size is not None:
+            raise ValueError("--cuda-graph-scope full_iteration with --rampup-batch-size: the captured iteration "
+                             "has a fixed number of micro-batches, and the ramp-up changes it")
 
 
 def _check_only_with(args: argparse.Namespace) -> None:

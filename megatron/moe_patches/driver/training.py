@@ -72,9 +72,9 @@ def initialize(args: argparse.Namespace) -> None:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     torch.manual_seed(args.seed)
-    # megatron-core's local graph managers (built with --cuda-graph-impl local) need an RNG
-    # tracker whose states a graph can capture, as Megatron-LM sets it up.
-    model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=args.cuda_graph_impl == "local")
+    # CUDA graphs need an RNG tracker whose states a graph can capture (dropout inside a
+    # captured layer), as Megatron-LM sets it up.
+    model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=args.cuda_graph_impl != "none")
 
 
 def padded_vocab_size(args) -> int:
@@ -480,6 +480,27 @@ def describe_moe_layers(gpt) -> str:
     return f"{len(layers)} MoE layers | experts: {backend} | EP {ep_size} exchange: {exchange}"
 
 
+def whole_iteration_graph(forward_backward, args):
+    """--cuda-graph-scope full_iteration: megatron-core's capture of every micro-batch's forward
+    and backward as one graph (after --cuda-graph-warmup-steps steps), as Megatron-LM's loop
+    wraps its training steps; evaluation runs eagerly."""
+    if args.cuda_graph_impl != "local" or "full_iteration" not in (args.cuda_graph_scope or []):
+        return forward_backward
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    return FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps)
+
+
+def say_once_captured(forward_backward, steps_run: int) -> None:
+    """One line once the whole iteration is a graph (megatron-core's wrapper captures it at the
+    step after its warm-up steps)."""
+    graphs = getattr(type(forward_backward), "cuda_graph", None)
+    if graphs is not None and graphs.get("training") is not None and not getattr(forward_backward, "said", False):
+        forward_backward.said = True
+        _print_rank0(f"moe_patches: captured the whole training iteration as one CUDA graph at step {steps_run} "
+                     "(--cuda-graph-scope full_iteration)")
+
+
 def moe_graph_helper(model, gpt, optimizer, args):
     """--cuda-graph-impl transformer_engine: megatron-core's TE graph helper, built and called
     as Megatron-LM's training loop does (apply() installs the MoE capture behind it, F11).
@@ -540,6 +561,7 @@ def pretrain(args: argparse.Namespace) -> None:
     calculator.update(args.consumed_train_samples, consistency_check=True)
     num_micro_batches = calculator.get()
     forward_backward = get_forward_backward_func()
+    train_forward_backward = whole_iteration_graph(forward_backward, args)
     started, last_saved, tensorboard = time.time(), None, None
     steps_run, graph_helper, graphs_checked = 0, moe_graph_helper(model, gpt, optimizer, args), set()
 
@@ -569,7 +591,7 @@ def pretrain(args: argparse.Namespace) -> None:
         times = {}
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(
+        losses = train_forward_backward(
             forward_step_func=partial(forward_step, check_loss=args.check_for_nan_in_loss_and_grad),
             data_iterator=data,
             model=[model],
@@ -584,6 +606,7 @@ def pretrain(args: argparse.Namespace) -> None:
         # With --log-num-zeros-in-grad megatron-core counts the zeros of the main grads here,
         # after backward and clipping, before the update (Megatron-LM's num-zeros).
         warn_if_graphs_never_replay(captured_before_step, graphs_checked)
+        say_once_captured(train_forward_backward, steps_run)
         _, grad_norm, num_zeros = optimizer.step()
         scheduler.step(increment=batch_size)  # the scheduler counts samples
         iteration += 1

@@ -1,5 +1,6 @@
 """F11: the dropless MoE layer's forward and backward as CUDA graphs (EP = 1, or EP > 1
-through F12's symmetric exchange).
+through F12's symmetric exchange), alone (``--cuda-graph-scope moe``) or with the attention
+around it, each transformer layer whole in one graph (no scope, or ``attn moe``).
 
 With ``moe_device_tokens_per_expert`` the layer never waits for the GPU at EP = 1: the
 router's counts stay on the device (F8), the alltoall/allgather dispatchers size every
@@ -39,6 +40,12 @@ own graph entry points, which ``apply()`` installs (the registry lists the bindi
   schedules call after every forward-backward, then captures the noted layers once
   ``--cuda-graph-warmup-steps`` training steps (at least one) have run.
 
+The whole layer is captured the same way: its keyword tensors (rotary embeddings, attention
+mask) are static inputs beside the hidden states, copied in before each replay; a call with
+other keyword shapes, packed-sequence parameters or an inference context runs eagerly. Its
+samples are the layers' own last training calls (noted by the local manager, or by a forward
+pre-hook of the TE helper until the capture), so their shapes are the loop's.
+
 Rules of use (what a training loop with PP = 1 does): every call has the sample's shape;
 each layer's forward and backward alternate as captured (forward of all layers, then
 their backwards in reverse order, per micro-batch); the output and input gradient are
@@ -57,9 +64,9 @@ import torch
 from megatron.core.transformer import cuda_graphs as mcore_graphs
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.moe_patches.plan import graphs_dropless_moe, plan_for, scope_names
+from megatron.moe_patches.plan import captures_whole_layers, graphs_dropless_moe, plan_for
 
 # The stock objects, kept before apply() binds megatron-core's names to this module's.
 _STOCK_TE_HELPER = mcore_graphs.TECudaGraphHelper
@@ -70,13 +77,16 @@ _STOCK_CREATE_CUDAGRAPHS = mcore_graphs.create_cudagraphs
 
 
 class _Captured:
-    """One layer's graphs and static buffers."""
+    """One layer's graphs and static buffers: an MoE layer, or a transformer layer whole (its
+    keyword tensors, e.g. the rotary embeddings and the attention mask, are static inputs too)."""
 
-    def __init__(self, layer, sample_TBH: torch.Tensor):
+    def __init__(self, layer, sample_TBH: torch.Tensor, sample_kwargs: Dict[str, torch.Tensor]):
         self.layer = layer
         self.names = [n for n, p in layer.named_parameters() if p.requires_grad]
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.static_x = sample_TBH.detach().clone().requires_grad_(True)
+        self.static_kwargs = {name: t.detach().clone() for name, t in sample_kwargs.items()}
+        self.signature = call_signature(sample_TBH, sample_kwargs)
         self.aliases = None  # made on the capture stream (see the module doc)
         self.fwd_graph = torch.cuda.CUDAGraph()
         self.bwd_graph = torch.cuda.CUDAGraph()
@@ -89,13 +99,24 @@ class _Captured:
         self.replays = 0  # forward replays since the capture
         # Work the graphs leave to the host before each replay: the FP8 backend's weight
         # copies (quantized once per optimizer step, outside the graph).
-        backend = getattr(layer.experts, "backend", None)
-        self.before_replay = getattr(backend, "refresh_weight_caches", None) or (lambda: None)
+        self.refreshes = [m.backend.refresh_weight_caches for m in layer.modules()
+                          if hasattr(getattr(m, "backend", None), "refresh_weight_caches")]
+
+    def before_replay(self, x_TBH, kwargs):
+        for refresh in self.refreshes:
+            refresh()
+        self.static_x.copy_(x_TBH)
+        for name, tensor in kwargs.items():
+            self.static_kwargs[name].copy_(tensor)
 
     def run_forward(self):
         aliases = dict(zip(self.names, self.aliases))
-        out, _ = torch.func.functional_call(self.layer, aliases, (self.static_x,), strict=False)
-        return out  # MoELayer returns no MLP bias (it asserts so)
+        out, second = torch.func.functional_call(self.layer, aliases, (self.static_x,), self.static_kwargs,
+                                                 strict=False)
+        if second is not None:  # MoELayer's MLP bias (it asserts None), a transformer layer's context
+            raise ValueError(f"{type(self.layer).__name__} returned a second output (cross-attention context or "
+                             "an MLP bias), which its CUDA graph does not hand back")
+        return out
 
     def run_backward(self, out):
         grads = torch.autograd.grad(out, (self.static_x, *self.aliases), self.static_grad_out, allow_unused=True)
@@ -121,9 +142,8 @@ class _Captured:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, captured, x_TBH, *params):
-        captured.before_replay()
-        captured.static_x.copy_(x_TBH)
+    def forward(ctx, captured, x_TBH, kwargs, *params):
+        captured.before_replay(x_TBH, kwargs)
         captured.fwd_graph.replay()
         ctx.captured = captured
         return captured.static_out.detach()
@@ -136,7 +156,7 @@ class _Replay(torch.autograd.Function):
         for param in captured.into_main_grad:
             param.grad_added_to_main_grad = True
         grad_params = tuple(None if g is None else g.detach() for g in captured.static_grad_params)
-        return (None, captured.static_grad_x.detach(), *grad_params)
+        return (None, captured.static_grad_x.detach(), None, *grad_params)
 
 
 class MoELayerGraphs:
@@ -148,16 +168,16 @@ class MoELayerGraphs:
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], sample_TBH: torch.Tensor,
-                 context: Optional[Callable[[], contextlib.AbstractContextManager]] = None, warmup: int = 3):
+                 context: Optional[Callable[[], contextlib.AbstractContextManager]] = None, warmup: int = 3,
+                 sample_kwargs: Optional[Dict[str, torch.Tensor]] = None):
         for layer in layers:
-            reason = plan_for(layer.config).graph_blocker
-            if reason is not None:
-                raise ValueError(f"cuda_graph_scope=moe cannot capture this MoE layer: {reason}.")
+            plan = plan_for(layer.config)
+            if plan.graph_blocker is not None:
+                raise ValueError(f"CUDA graphs cannot capture this {plan.graph_unit}: {plan.graph_blocker}.")
         self.layers = list(layers)
-        self.shape = tuple(sample_TBH.shape)
-        self.dtype = sample_TBH.dtype
         context = context or contextlib.nullcontext
-        self.captured = [_Captured(layer, sample_TBH) for layer in self.layers]
+        self.captured = [_Captured(layer, sample_TBH, sample_kwargs or {}) for layer in self.layers]
+        generators = _graph_safe_generators()
         # Warm-up and capture run the layers: their buffers (e.g. the router's token counts
         # for expert-bias balancing) must not keep what those runs added.
         buffers = [{n: b.clone() for n, b in layer.named_buffers()} for layer in self.layers]
@@ -170,7 +190,7 @@ class MoELayerGraphs:
         with torch.cuda.stream(stream):
             for c in self.captured:
                 c.make_aliases()
-                c.static_grad_out = torch.empty(self.shape, dtype=self.dtype, device=sample_TBH.device)
+                c.static_grad_out = torch.empty_like(sample_TBH)
             # Warm-up on the capture stream: lazy initialisations and autotuning happen here,
             # and the FP8 weight copies are made (the capture finds them current).
             for _ in range(warmup):
@@ -182,6 +202,10 @@ class MoELayerGraphs:
             # thread_local: other threads (NCCL's watchdog, with data parallelism) may query
             # their events while this one captures.
             capture = dict(pool=pool, stream=stream, capture_error_mode="thread_local")
+            for c in self.captured:
+                for graph in (c.fwd_graph, c.bwd_graph):
+                    for generator in generators:  # dropout inside: each replay draws new numbers
+                        graph.register_generator_state(generator)
             for c in self.captured:
                 c.static_grad_out.zero_()
                 with torch.cuda.graph(c.fwd_graph, **capture), context():
@@ -199,7 +223,7 @@ class MoELayerGraphs:
 
     def install(self):
         for layer, captured in zip(self.layers, self.captured):
-            layer.forward = _graphed_forward(layer, captured, self.shape, self.dtype)
+            layer.forward = _graphed_forward(layer, captured)
         return self
 
     @property
@@ -212,20 +236,54 @@ class MoELayerGraphs:
             layer.__dict__.pop("forward", None)
 
 
-def _graphed_forward(layer, captured: _Captured, shape, dtype):
+def call_signature(hidden_TBH: torch.Tensor, tensor_kwargs: Dict[str, torch.Tensor]) -> Tuple:
+    """What a captured graph was made for: the input's and each keyword tensor's shape and dtype."""
+    return _signature(tuple(hidden_TBH.shape), hidden_TBH.dtype, tensor_kwargs)
+
+
+def _signature(shape, dtype, tensor_kwargs: Dict[str, torch.Tensor]) -> Tuple:
+    return (shape, dtype, tuple(sorted((name, tuple(t.shape), t.dtype) for name, t in tensor_kwargs.items())))
+
+
+def graphable_kwargs(args: Sequence, kwargs: Dict) -> Optional[Dict[str, torch.Tensor]]:
+    """A layer call's keyword tensors (the graph's static inputs besides the hidden states),
+    or None where the call cannot replay a graph: extra positional values, or a keyword value
+    that is neither a tensor nor None (packed-sequence parameters, an inference context)."""
+    if any(a is not None for a in args):
+        return None
+    tensors = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        elif value is not None:
+            return None
+    return tensors
+
+
+def _graphed_forward(layer, captured: _Captured):
     eager = type(layer).forward.__get__(layer)
 
     def forward(hidden_states, *args, **kwargs):
-        # intermediate_tensors / padding_mask given: a partial or masked pass, not the captured one
-        extra = any(a is not None for a in (*args, *kwargs.values()))
-        if (extra or not torch.is_grad_enabled() or not layer.training
-                or tuple(hidden_states.shape) != shape or hidden_states.dtype != dtype):
-            return eager(hidden_states, *args, **kwargs)
+        tensors = graphable_kwargs(args, kwargs)
+        if (tensors is None or not torch.is_grad_enabled() or not layer.training
+                or call_signature(hidden_states, tensors) != captured.signature):
+            return eager(hidden_states, *args, **kwargs)  # a partial, masked or evaluation pass
         captured.replays += 1
         _run_submodule_pre_hooks(layer)
-        return _Replay.apply(captured, hidden_states, *captured.params), None
+        return _Replay.apply(captured, hidden_states, tensors, *captured.params), None
 
     return forward
+
+
+def _graph_safe_generators() -> List[torch.Generator]:
+    """The RNG tracker's generators where the loop made them graph-safe (Megatron-LM does with
+    CUDA graphs on; the states are then generators, not saved byte tensors): a captured layer's
+    dropout draws new numbers at every replay."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if not getattr(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        return []
+    return [state for state in mcore_random.get_all_rng_states().values() if isinstance(state, torch.Generator)]
 
 
 def _run_submodule_pre_hooks(layer):
@@ -244,8 +302,17 @@ def _run_submodule_pre_hooks(layer):
 
 def moe_layers(model) -> List[torch.nn.Module]:
     """The MoE layers of ``model`` (a module or a list of model chunks), in forward order."""
+    return _modules_of(model, MoELayer)
+
+
+def transformer_layers(model) -> List[torch.nn.Module]:
+    """The transformer layers of ``model`` (a module or a list of model chunks), in forward order."""
+    return _modules_of(model, TransformerLayer)
+
+
+def _modules_of(model, kind) -> List[torch.nn.Module]:
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, kind)]
 
 
 # --- the capture in any training loop ------------------------------------------------------
@@ -281,9 +348,12 @@ def _router_logs_kept():
                 entry["values"].zero_()
 
 
-def capture_moe_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, when: str) -> MoELayerGraphs:
-    """The one capture every loop reaches: ``layers`` (in forward order) for micro-batches of
-    ``shape``, installed so that their next training calls replay; one line says so."""
+def capture_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, when: str,
+                   kwargs: Optional[Dict[str, torch.Tensor]] = None) -> MoELayerGraphs:
+    """The one capture every loop reaches: ``layers`` (in forward order; MoE layers, or
+    transformer layers whole) for micro-batches of ``shape`` and calls with the keyword tensors
+    ``kwargs`` has (their values are copied in), installed so that their next training calls
+    replay; one line says so."""
     from megatron.core.fp8_utils import get_fp8_context
 
     tick = time.time()
@@ -292,9 +362,11 @@ def capture_moe_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, confi
     # stream (dropout elsewhere in the model) must go on as if there had been no capture.
     with torch.random.fork_rng(devices=[device]), _router_logs_kept():
         sample_TBH = torch.randn(shape, dtype=dtype, device=device)
-        graphs = MoELayerGraphs(layers, sample_TBH, context=lambda: get_fp8_context(config)).install()
+        graphs = MoELayerGraphs(layers, sample_TBH, context=lambda: get_fp8_context(config),
+                                sample_kwargs=kwargs).install()
     _captures.append(graphs)
-    _print_rank0(f"moe_patches: captured {len(layers)} MoE layers as CUDA graphs (forward and backward, "
+    what = "transformer layers (attention and MoE)" if captures_whole_layers(config) else "MoE layers"
+    _print_rank0(f"moe_patches: captured {len(layers)} {what} as CUDA graphs (forward and backward, "
                  f"input {list(shape)}) {when}, in {time.time() - tick:.1f} s")
     return graphs
 
@@ -315,8 +387,10 @@ class MoEScopeGraphHelper:
 
     Loops build it with ``--cuda-graph-impl transformer_engine`` and call
     ``create_cudagraphs()`` after the warm-up steps. A config that graphs dropless MoE layers
-    gets this helper, which captures them with ``capture_moe_layers``; any other config gets
-    the stock helper itself (decided here, once).
+    gets this helper, which captures them with ``capture_layers``: the MoE layers for the
+    micro-batch's shape, or the transformer layers whole with the keyword tensors (rotary
+    embeddings, attention mask) of their last training call, noted by a forward pre-hook until
+    the capture. Any other config gets the stock helper itself (decided here, once).
     """
 
     def __new__(cls, model, config, seq_length, micro_batch_size, optimizers=()):
@@ -326,58 +400,112 @@ class MoEScopeGraphHelper:
 
     def __init__(self, model, config, seq_length, micro_batch_size, optimizers=()):
         self.config = config
-        self.layers = moe_layers(model)
-        # Tokens per micro-batch as the MoE layer sees them (TP > 1 is refused by the plan's graph_blocker).
-        self.shape = (seq_length // config.context_parallel_size, micro_batch_size, config.hidden_size)
-        self.graphs: Optional[MoELayerGraphs] = None
+        self.calls = _Calls()
+        if captures_whole_layers(config):
+            self.layers = transformer_layers(model)
+            self.hooks = [layer.register_forward_pre_hook(self.calls.hook, with_kwargs=True) for layer in self.layers]
+        else:
+            self.layers = moe_layers(model)
+            self.hooks = []
+            # Tokens per micro-batch as the MoE layer sees them (TP > 1 is refused by the plan's graph_blocker).
+            shape = (seq_length // config.context_parallel_size, micro_batch_size, config.hidden_size)
+            for layer in self.layers:
+                self.calls.seen[layer] = (shape, config.params_dtype, {})
+        self.graphs: List[MoELayerGraphs] = []
 
     def graphs_created(self) -> bool:
-        return self.graphs is not None
+        return bool(self.graphs)
 
     def create_cudagraphs(self) -> None:
-        warmup = self.config.cuda_graph_warmup_steps
-        self.graphs = capture_moe_layers(self.layers, self.shape, self.config.params_dtype, self.config,
-                                         f"after {_steps(warmup)} (--cuda-graph-impl transformer_engine)")
+        for hook in self.hooks:
+            hook.remove()
+        when = f"after {_steps(self.config.cuda_graph_warmup_steps)} (--cuda-graph-impl transformer_engine)"
+        self.graphs = self.calls.capture(self.layers, self.config, when)
 
     def cuda_graph_set_manual_hooks(self) -> None:
         """Nothing to set: a replay runs the skipped submodules' forward pre-hooks itself."""
 
     def delete_cuda_graphs(self) -> None:
-        release(self.graphs)
-        self.graphs = None
+        for graphs in self.graphs:
+            release(graphs)
+        self.graphs = []
+
+
+class _Calls:
+    """The training calls of the layers to capture: each layer's input shape and dtype and the
+    keyword tensors of its last call (what its graph is made for)."""
+
+    def __init__(self):
+        self.seen: Dict[torch.nn.Module, Tuple[Tuple[int, ...], torch.dtype, Dict[str, torch.Tensor]]] = {}
+
+    def note(self, layer, hidden_TBH, kwargs) -> None:
+        tensors = graphable_kwargs((), {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        if tensors is not None:
+            self.seen[layer] = (tuple(hidden_TBH.shape), hidden_TBH.dtype,
+                                {name: t.detach() for name, t in tensors.items()})
+
+    def hook(self, layer, args, kwargs):
+        if layer.training and torch.is_grad_enabled():
+            self.note(layer, args[0] if args else kwargs["hidden_states"], kwargs)
+
+    def capture(self, layers, config, when: str) -> List[MoELayerGraphs]:
+        """Capture ``layers`` that had a graphable call, those with the same call together."""
+        groups: Dict[Tuple, Tuple[list, Tuple]] = {}
+        for layer in layers:
+            if layer in self.seen:
+                shape, dtype, kwargs = self.seen.pop(layer)
+                groups.setdefault(_signature(shape, dtype, kwargs), ([], (shape, dtype, kwargs)))[0].append(layer)
+        return [capture_layers(group, shape, dtype, config, when, kwargs)
+                for group, (shape, dtype, kwargs) in groups.values()]
 
 
 class MoEScopeGraphManager:
-    """The graph manager ``apply()`` gives a transformer layer whose MLP is a dropless MoE
-    layer under ``--cuda-graph-impl local --cuda-graph-scope moe``.
+    """The graph manager ``apply()`` gives a transformer layer under ``--cuda-graph-impl local``
+    whose graphs take in a dropless MoE layer: the MoE layer alone (scope ``moe``) or the
+    whole layer (``whole_layer``: no scope, or ``attn moe``; dense layers of the model too).
 
     megatron-core hands every call of the layer to its manager. This one runs the layer
-    eagerly and notes its MoE layer and input shape on training calls; the capture happens
-    in ``create_cudagraphs`` at the end of a step, after which the MoE layer replays.
+    eagerly and notes what to capture on training calls; the capture happens in
+    ``create_cudagraphs`` at the end of a step, after which the noted layer replays.
     """
+
+    def __init__(self, whole_layer: bool = False):
+        self.whole_layer = whole_layer
 
     def __call__(self, layer, args, kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k != "dynamic_inference_decode_only"}
         if layer.training and torch.is_grad_enabled():
             hidden_TBH = args[0] if args else kwargs["hidden_states"]
-            _local_captures.note(layer.mlp, hidden_TBH)
+            if self.whole_layer:
+                _local_captures.note(layer, hidden_TBH, {**dict(zip(_extra_names(layer), args[1:])), **kwargs})
+            else:
+                _local_captures.note(layer.mlp, hidden_TBH, {})
         return torch.nn.Module.__call__(layer, *args, **kwargs)
 
 
+def _extra_names(layer) -> List[str]:
+    """The names of a layer's positional arguments after the hidden states."""
+    import inspect
+
+    return list(inspect.signature(type(layer).forward).parameters)[2:]
+
+
 class _LocalCaptures:
-    """The MoE layers that ran training steps under ``MoEScopeGraphManager``, captured
-    together after ``--cuda-graph-warmup-steps`` such steps (at least one: the shape of a
-    micro-batch is known only once one has run)."""
+    """The layers that ran training steps under ``MoEScopeGraphManager``, captured together
+    after ``--cuda-graph-warmup-steps`` such steps (at least one: the shape of a micro-batch
+    is known only once one has run)."""
 
     def __init__(self):
-        self.pending: Dict[MoELayer, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self.calls = _Calls()
         self.captured = weakref.WeakSet()
         self.trained_since_last_step = False
         self.steps = 0
+        self.config = None
 
-    def note(self, moe_layer, hidden_TBH) -> None:
-        if moe_layer not in self.captured:
-            self.pending.setdefault(moe_layer, (tuple(hidden_TBH.shape), hidden_TBH.dtype))
+    def note(self, layer, hidden_TBH, kwargs) -> None:
+        if layer not in self.captured:
+            self.calls.note(layer, hidden_TBH, kwargs)
+            self.config = layer.config
         self.trained_since_last_step = True
 
     def end_of_step(self) -> None:
@@ -385,19 +513,11 @@ class _LocalCaptures:
             return  # an evaluation pass, or no such layer
         self.trained_since_last_step = False
         self.steps += 1
-        if not self.pending:
+        if not self.calls.seen or self.steps < max(1, self.config.cuda_graph_warmup_steps):
             return
-        config = next(iter(self.pending)).config
-        if self.steps < max(1, config.cuda_graph_warmup_steps):
-            return
-        groups: Dict[Tuple, List[MoELayer]] = {}
-        for layer, key in self.pending.items():
-            groups.setdefault(key, []).append(layer)
-        self.pending = {}
-        for (shape, dtype), layers in groups.items():
-            self.captured.update(layers)
-            capture_moe_layers(layers, shape, dtype, config,
-                               f"after {_steps(self.steps)} (--cuda-graph-impl local)")
+        layers = list(self.calls.seen)
+        self.captured.update(layers)
+        self.calls.capture(layers, self.config, f"after {_steps(self.steps)} (--cuda-graph-impl local)")
 
 
 _local_captures = _LocalCaptures()
@@ -423,12 +543,15 @@ def manager_factory(layer_class, stock_factory):
     ``stock_factory`` gives it."""
 
     def create_mcore_cudagraph_manager(self, config):
-        if graphs_dropless_moe(config) and _builds_moe_layer(self.submodules_config.mlp):
+        if captures_whole_layers(config):
+            self.cudagraph_manager = MoEScopeGraphManager(whole_layer=True)
+        elif graphs_dropless_moe(config) and _builds_moe_layer(self.submodules_config.mlp):
             self.cudagraph_manager = MoEScopeGraphManager()
         else:
             stock_factory(self, config)
 
     create_mcore_cudagraph_manager.__doc__ = (
-        f"{layer_class.__name__}'s graph manager factory; a dropless MoE layer under the moe "
-        "scope gets MoEScopeGraphManager (the patch set's capture), anything else the stock one.")
+        f"{layer_class.__name__}'s graph manager factory; under graphs of dropless MoE layers (the moe "
+        "scope: a layer with an MoE layer; the whole layer: every layer) the layer gets "
+        "MoEScopeGraphManager (the patch set's capture), anything else the stock one.")
     return create_mcore_cudagraph_manager

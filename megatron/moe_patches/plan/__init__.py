@@ -57,7 +57,8 @@ from megatron.moe_patches.plan.exchange import (
     choose_exchange,
     exchange_config_errors,
 )
-from megatron.moe_patches.plan.graphs import graph_blocker, graphs_dropless_moe, scope_names
+from megatron.moe_patches.plan.graphs import (captures_whole_layers, full_iteration_blocker, graph_blocker,
+                                              graphs_dropless_moe, scope_names)
 from megatron.moe_patches.plan.padding import choose_padding, fused_permute_pad_blocker, static_padding_blocker
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size, precision_of
 
@@ -67,7 +68,7 @@ __all__ = [
     "fused_permute_pad_blocker", "static_padding_blocker",
     "ALLTOALL", "SYMMETRIC_MEMORY", "ALLGATHER", "FLEX", "EP1_NOTHING_TO_EXCHANGE", "ExchangeChoice",
     "exchange_config_errors",
-    "graphs_dropless_moe", "scope_names",
+    "graphs_dropless_moe", "captures_whole_layers", "scope_names",
     "precision_of", "expert_tp_size", "ep_size",
 ]
 
@@ -91,6 +92,8 @@ class MoEPlan:
     wgrad_into_main_grad: bool = False
     # the TE backend hands TE's GroupedLinear the device counts too (m_splits_tensor, F8)
     te_device_splits: bool = False
+    graph_unit: str = "MoE layer"  # what F11 captures: the MoE layer, or the transformer layer whole
+    full_iteration_blocker: Optional[str] = None  # why megatron-core's full_iteration graph cannot hold it
 
     @property
     def backend_refusals(self) -> Tuple[Tuple[str, str], ...]:
@@ -113,8 +116,8 @@ class MoEPlan:
             + f"; token counts on the {'device' if exchange.device_counts else 'host'}"
             + ("; rows arrive grouped by local expert" if exchange.skips_chunk_sort else ""),
             f"parallel sizes: EP {self.ep_size}, expert TP {self.expert_tp_size}",
-            "CUDA graph of the MoE layer: " + ("can be captured" if self.graph_blocker is None
-                                                else f"no: {self.graph_blocker}"),
+            f"CUDA graph of the {self.graph_unit}: " + ("can be captured" if self.graph_blocker is None
+                                                         else f"no: {self.graph_blocker}"),
             "single grouped parameters: " + ("can be held" if self.single_grouped_refusal is None
                                              else f"no: {self.single_grouped_refusal}"),
             f"weight gradients into main_grad in the GEMM: {'yes' if self.wgrad_into_main_grad else 'no'}",
@@ -153,18 +156,21 @@ def make_plan(config) -> MoEPlan:
     padding = choose_padding(config, backend, notes)
     exchange = choose_exchange(config, backend, padding, notes)
     wgrad_fused = wgrad_into_main_grad(config, backend, notes)
+    moe_graph_blocker = graph_blocker(config, backend, blockers, exchange)
     return MoEPlan(
         backend=backend,
         backend_support=support,
         padding=padding,
         exchange=exchange,
         single_grouped_refusal=single_grouped_refusal(config, backend, support),
-        graph_blocker=graph_blocker(config, backend, blockers, exchange),
+        graph_blocker=moe_graph_blocker,
         ep_size=ep_size(config),
         expert_tp_size=expert_tp_size(config),
         notes=tuple(notes),
         wgrad_into_main_grad=wgrad_fused,
         te_device_splits=te_device_splits(config, backend),
+        graph_unit="transformer layer" if captures_whole_layers(config) else "MoE layer",
+        full_iteration_blocker=full_iteration_blocker(config, moe_graph_blocker, backend),
     )
 
 

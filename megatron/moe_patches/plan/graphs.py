@@ -1,12 +1,16 @@
 """Whether a config's MoE layer can be captured as one CUDA graph, and why not (F11).
 
 megatron-core 0.16.1 graphs only drop-and-pad MoE layers; F11 graphs dropless ones
-(``graphs/moe_layer_graphs.py``) where the config asks for it (``graphs_dropless_moe``). A
-graph replays fixed shapes and addresses without the host, so the layer must keep its token
-counts on the device, exchange tokens without host split sizes (EP 1, or the symmetric
-exchange of ``plan/exchange.py``), run one rank of tensor and pipeline parallelism, route
-without dropping or random numbers, and run experts that take device counts
-(``plan/backends.py``). ``graph_blocker`` names the first of those the config breaks.
+(``graphs/moe_layer_graphs.py``) where the config asks for it (``graphs_dropless_moe``): each
+MoE layer (``--cuda-graph-scope moe``) or each transformer layer whole, attention and MoE in
+one graph (no scope, or ``attn moe``; ``captures_whole_layers``). A graph replays fixed shapes
+and addresses without the host, so the layer must keep its token counts on the device,
+exchange tokens without host split sizes (EP 1, or the symmetric exchange of
+``plan/exchange.py``), run one rank of tensor and pipeline parallelism, route without
+dropping or random numbers, and run experts that take device counts (``plan/backends.py``).
+``graph_blocker`` names the first of those the config breaks. ``full_iteration`` (megatron-core's
+capture of every micro-batch's forward and backward as one graph) runs the MoE layers inside
+that graph and needs the same of them (``full_iteration_blocker``).
 """
 
 from typing import List, Optional
@@ -15,16 +19,31 @@ from megatron.moe_patches.fields import patch_option
 from megatron.moe_patches.plan.exchange import ALLGATHER, ALLTOALL, SYMMETRIC_MEMORY, ExchangeChoice
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size
 
+# The scopes F11 captures for dropless MoE: the MoE layers, or whole transformer layers.
+MOE_SCOPE = frozenset({"moe"})
+WHOLE_LAYER_SCOPES = (frozenset(), frozenset({"attn", "moe"}))
+FULL_ITERATION = "full_iteration"
 
-def graphs_dropless_moe(config) -> bool:
-    """Whether the config asks for CUDA graphs of dropless MoE layers (megatron-core 0.16.1
-    graphs only drop-and-pad MoE layers; F11 graphs dropless ones)."""
+
+def _dropless_moe_graphs(config) -> bool:
     return (
         config.cuda_graph_impl in ("local", "transformer_engine")
-        and "moe" in scope_names(config.cuda_graph_scope)
         and config.num_moe_experts is not None
         and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
     )
+
+
+def graphs_dropless_moe(config) -> bool:
+    """Whether the config's CUDA graphs take in dropless MoE layers as F11 captures them: the
+    ``moe`` scope, or the whole layer (no scope; megatron-core 0.16.1 graphs only drop-and-pad
+    MoE layers)."""
+    names = scope_names(config.cuda_graph_scope)
+    return _dropless_moe_graphs(config) and ("moe" in names or not names)
+
+
+def captures_whole_layers(config) -> bool:
+    """Whether F11 captures each transformer layer whole (attention and MoE in one graph)."""
+    return graphs_dropless_moe(config) and frozenset(scope_names(config.cuda_graph_scope)) in WHOLE_LAYER_SCOPES
 
 
 def scope_names(scope) -> List[str]:
@@ -77,4 +96,35 @@ def graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Option
     if not backend.takes_device_counts:
         why = "; ".join(f"{b.name}: {reason}" for b, reason in blockers if b.takes_device_counts and reason)
         return f"the {backend.name} expert backend takes host token counts ({why})"
+    if captures_whole_layers(config):
+        return _whole_layer_blocker(config)
+    return None
+
+
+def _whole_layer_blocker(config) -> Optional[str]:
+    """What the attention around the MoE layer adds when the whole layer is one graph."""
+    if config.fp8:
+        return ("FP8 in the attention's Transformer Engine layers keeps TE's FP8 state, which this capture does "
+                "not manage (it refreshes the experts' FP8 weights only): use --cuda-graph-scope moe")
+    if config.recompute_granularity is not None:
+        return "recompute inside the captured layer (--recompute-granularity): use --cuda-graph-scope moe"
+    if config.context_parallel_size > 1:
+        return "context parallelism (its attention exchanges with peers per chunk)"
+    if config.cuda_graph_impl == "transformer_engine" and config.cuda_graph_warmup_steps < 1:
+        return ("--cuda-graph-warmup-steps 0: the whole layer's inputs (rotary embeddings, attention mask) are "
+                "known once a step has run; use at least 1")
+    return None
+
+
+def full_iteration_blocker(config, moe_graph_blocker: Optional[str], backend) -> Optional[str]:
+    """Why megatron-core's ``full_iteration`` graph cannot hold this config's MoE layers, or
+    None (a config without MoE layers: megatron-core decides alone)."""
+    if (config.num_moe_experts is None or config.cuda_graph_impl != "local"
+            or FULL_ITERATION not in scope_names(config.cuda_graph_scope)):
+        return None
+    if moe_graph_blocker is not None:
+        return moe_graph_blocker
+    if hasattr(backend, "refresh_weight_caches"):
+        return (f"the {backend.name} experts refresh their FP8 weight copies from the host after each optimizer "
+                "step, which a replayed iteration would skip: use --cuda-graph-scope moe")
     return None

@@ -1,0 +1,70 @@
+"""More of the step in CUDA graphs, in Megatron-LM's own loop (core_v0.16.1, its pretrain_gpt.py
+as README edits it) and in this package's driver, on a tiny GPT-MoE with Megatron-LM's default
+gradient-accumulation fusion (F13) and the sync-free MoE layer:
+
+- each transformer layer whole (attention and MoE in one graph; no --cuda-graph-scope), with
+  --cuda-graph-impl local and transformer_engine: every layer captured (the count the patch set
+  prints), and the losses equal the eager run's at every iteration;
+- --cuda-graph-scope full_iteration (megatron-core's capture of every micro-batch's forward and
+  backward as one graph): captured, and the losses equal the eager run's.
+
+Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout (the driver's runs
+need it too: they are compared with the same eager losses)."""
+
+import re
+
+import pytest
+
+from test_megatron_lm_client import LAYERS, NO_FUSION, TINY, driver, megatron_lm, pytestmark  # noqa: F401
+
+FAST = ["--moe-device-tokens-per-expert"]
+NO_NAN_CHECK = ["--no-check-for-nan-in-loss-and-grad"]  # full_iteration needs it (Megatron-LM asserts it)
+WARMUP = ["--cuda-graph-warmup-steps", "2"]
+SCOPES = {
+    "whole-layer-local": ["--cuda-graph-impl", "local", *WARMUP],
+    "whole-layer-te": ["--cuda-graph-impl", "transformer_engine", *WARMUP],
+    "attn-moe-local": ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn", "moe", *WARMUP],
+    "full-iteration": ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", *WARMUP],
+}
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+
+def whole_layers_captured(output):
+    return [int(n) for n in re.findall(r"moe_patches: captured (\d+) transformer layers", output)]
+
+
+def driver_losses(*flags, iters=8):
+    fused = [f for f in TINY if f != NO_FUSION]
+    timeout = fused.index("--distributed-timeout-minutes")  # the driver keeps megatron-core's default
+    output = driver(*fused[:timeout], *fused[timeout + 2:], "--train-iters", str(iters), *flags)
+    return {int(m.group(1)): m.group(2) for m in LOSS.finditer(output)}, output
+
+
+def run(loop, *flags):
+    if loop == "megatron-lm":
+        return megatron_lm(*flags, fusion=True)
+    return driver_losses(*flags)
+
+
+_eager = {}
+
+
+def eager_losses(loop):
+    """The eager run of ``loop``, once per session (every scope compares with it)."""
+    if loop not in _eager:
+        _eager[loop] = run(loop, *FAST, *NO_NAN_CHECK)[0]
+    return _eager[loop]
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+@pytest.mark.parametrize("loop", ["megatron-lm", "driver"])
+def test_more_of_the_step_in_graphs_equals_eager(loop, scope):
+    eager = eager_losses(loop)
+    graphed, output = run(loop, *FAST, *NO_NAN_CHECK, *SCOPES[scope])
+    print(f"{loop} {scope}: eager {eager}\ngraphed {graphed}\ncaptured {whole_layers_captured(output)}")
+    if scope == "full-iteration":
+        assert ("Capture CUDA graph for training" in output  # megatron-core's log line (Megatron-LM's loop)
+                or "captured the whole training iteration as one CUDA graph" in output)
+    else:
+        assert whole_layers_captured(output) == [LAYERS]
+    assert len(graphed) == 8 and graphed == eager  # the printed losses, every iteration
