@@ -286,7 +286,10 @@ def one(loop, variant, precision, iters, global_batch, warmup, device, extra=())
             "layers": LAYERS, "seq_length": SEQ, "micro_batch": 1, "global_batch": global_batch, "iters": iters,
             "extra_flags": " ".join(extra), "returncode": code}
     if code != 0:
-        line["error"] = output[-3000:]
+        # the first errors (the cause; a failed capture reports only "a previous error" at its end) and the end
+        lines = output.splitlines()
+        at = next((i for i, l in enumerate(lines) if re.search(r"Error:|error:|Exception:", l)), len(lines))
+        line["error"] = "\n".join(lines[max(0, at - 40):at + 3])[-5000:] + "\n...\n" + output[-1500:]
         return line
     line.update(parse(output, warmup))
     if line["ms"]:
@@ -325,12 +328,14 @@ def chart(results: str, png: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(VARIANTS)
     for i, variant in enumerate(VARIANTS):
+        labelled = False
         for j, group in enumerate(groups):
             row = next((r for r in rows if (r["loop"], r["precision"]) == group and r["variant"] == variant), None)
             if row is None:
                 continue
             x = j + (i - (len(VARIANTS) - 1) / 2) * width
-            ax.bar(x, row["tokens_per_s"], width, color=f"C{i}", label=variant if j == 0 else None)
+            ax.bar(x, row["tokens_per_s"], width, color=f"C{i}", label=None if labelled else variant)
+            labelled = True
             ax.annotate(f"{row.get('speedup_vs_stock', 1.0):.2f}x", (x, row["tokens_per_s"]), ha="center",
                         va="bottom", fontsize=8)
     ax.set_xticks(range(len(groups)), [f"{loop}\n{precision}" for loop, precision in groups])

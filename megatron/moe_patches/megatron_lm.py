@@ -49,7 +49,7 @@ import importlib
 import os
 from types import ModuleType
 import sys
-from typing import Callable, Dict, List, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from megatron.moe_patches.fields import restore_patch_args
 from megatron.moe_patches.installer import apply, revert, status
@@ -236,8 +236,30 @@ def check_config_before_start(args: argparse.Namespace) -> None:
 
     try:
         core_transformer_config_from_args(args)
+        refusal = full_iteration_refusal(args)
+        if refusal is not None:
+            raise ValueError(refusal)
     except ValueError as error:
         _refuse(error)
+
+
+def full_iteration_refusal(args: argparse.Namespace) -> Optional[str]:
+    """What in Megatron-LM's loop a ``full_iteration`` graph cannot hold, or None: with timing at
+    level 1 or more megatron-core's schedule starts its forward-backward timer inside the
+    captured function, and with Megatron-LM's default --barrier-with-level-1-timing that timer
+    waits in a torch.distributed barrier, which a capture refuses (measured on an H200:
+    "operation not permitted when stream is capturing")."""
+    from megatron.moe_patches.plan.graphs import FULL_ITERATION, scope_names
+
+    if (getattr(args, "cuda_graph_impl", "none") != "local"
+            or FULL_ITERATION not in scope_names(getattr(args, "cuda_graph_scope", None))):
+        return None
+    level = getattr(args, "timing_log_level", 0) or 0
+    if level >= 1 and getattr(args, "barrier_with_L1_time", True):
+        return (f"--cuda-graph-scope full_iteration with --timing-log-level {level}: megatron-core's schedule starts "
+                "its forward-backward timer with a barrier inside the captured iteration, which a CUDA graph "
+                "cannot hold; add --no-barrier-with-level-1-timing, or use --timing-log-level 0")
+    return None
 
 
 def check_load_before_start(args: argparse.Namespace) -> None:

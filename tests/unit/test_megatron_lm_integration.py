@@ -449,3 +449,35 @@ def test_the_dataset_helpers_build_is_skipped_only_where_the_wheel_ships_them_bu
     monkeypatch.setattr(megatron_lm.os.path, "exists", lambda path: path.endswith("Makefile"))
     megatron_lm._skip_dataset_helpers_build()
     assert utils.compile_helpers is stock
+
+
+@pytest.mark.parametrize("level, barrier, refused", [(1, True, True), (2, True, True), (0, True, False),
+                                                      (1, False, False)])
+def test_full_iteration_with_barrier_timers_is_refused_before_start_up(fake_training, capsys, monkeypatch, level,
+                                                                       barrier, refused):
+    """megatron-core's schedule starts its level-1 forward-backward timer inside the captured
+    iteration; with the barrier Megatron-LM adds to level-1 timing the capture fails (measured on
+    an H200), so the combination ends the run before start-up, naming both ways out."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):  # megatron-core asks TE for them
+        monkeypatch.setattr(moe_utils, name, object(), raising=False)
+    megatron_lm.enable()
+    try:
+        args = parsed_defaults(use_checkpoint_args=False, num_moe_experts=4, moe_grouped_gemm=True,
+                               moe_device_tokens_per_expert=True, moe_permute_fusion=True, bf16=True,
+                               params_dtype=torch.bfloat16, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope.full_iteration],
+                               timing_log_level=level, barrier_with_L1_time=barrier)
+        if not refused:
+            assert megatron_lm.full_iteration_refusal(args) is None
+            return
+        with pytest.raises(SystemExit) as exited:
+            fake_training.initialize.initialize_megatron(args)
+        assert exited.value.code == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+        assert len(err) == 1 and "--no-barrier-with-level-1-timing" in err[0] and "--timing-log-level 0" in err[0]
+    finally:
+        megatron_lm.disable()
