@@ -347,7 +347,9 @@ SERIES: Tuple[Feature, ...] = (
         changes="cuda_graph_scope=moe accepted for dropless MoE where graph_blocker allows it (EP 1 or "
         "EP > 1 through F12's exchange, alltoall/allgather, grouped_mm or fp8_grouped_mm experts); the "
         "layer's forward and backward captured as CUDA graphs with gradients of parameter aliases "
-        "(MoELayerGraphs). apply() installs the capture behind megatron-core's graph entry points "
+        "(MoELayerGraphs); without a scope (or attn moe) each transformer layer is captured whole the "
+        "same way, and full_iteration (megatron-core's own capture) holds the sync-free layer where "
+        "full_iteration_blocker allows it. apply() installs the capture behind megatron-core's graph entry points "
         "(TECudaGraphHelper for --cuda-graph-impl transformer_engine; the layers' "
         "create_mcore_cudagraph_manager and create_cudagraphs() for local), so Megatron-LM's "
         "training loop and this package's driver capture the same way.",
@@ -358,7 +360,8 @@ SERIES: Tuple[Feature, ...] = (
         native=lambda: False,
         page="patches/F11-moe-cuda-graph.md",
         test="tests/unit/test_moe_cuda_graph.py, tests/unit/test_moe_graph_entry_points.py, "
-        "tests/gpu/test_moe_cuda_graph.py, tests/gpu/test_symmetric_exchange.py, tests/gpu/test_megatron_lm_client.py",
+        "tests/gpu/test_moe_cuda_graph.py, tests/gpu/test_symmetric_exchange.py, tests/gpu/test_megatron_lm_client.py, "
+        "tests/gpu/test_layer_and_iteration_graphs.py",
         module="megatron.moe_patches.graphs.moe_layer_graphs",
         bindings=(
             Binding("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", _GRAPH_ENTRY + "MoEScopeGraphHelper",
