@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 from megatron.moe_patches import apply, revert  # noqa: E402
 from megatron.moe_patches.plan import graphs_dropless_moe  # noqa: E402
-from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs  # noqa: E402
+from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
     SHAPES,
     build_moe_layer,
@@ -140,7 +140,7 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
         hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         grad = torch.randn_like(hidden)
         if graphs_dropless_moe(config):
-            graphs = MoELayerGraphs([layer], hidden, context=lambda: fp8_context(config)).install()
+            graphs = LayerGraphs([layer], hidden, context=lambda: fp8_context(config)).install()
         ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
         backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")
         exchange_time = exchange_ms(layer, hidden, grad) if ep > 1 else None

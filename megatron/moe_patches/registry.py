@@ -347,7 +347,7 @@ SERIES: Tuple[Feature, ...] = (
         changes="cuda_graph_scope=moe accepted for dropless MoE where graph_blocker allows it (EP 1 or "
         "EP > 1 through F12's exchange, alltoall/allgather, grouped_mm or fp8_grouped_mm experts); the "
         "layer's forward and backward captured as CUDA graphs with gradients of parameter aliases "
-        "(MoELayerGraphs); without a scope (or attn moe) each transformer layer is captured whole the "
+        "(LayerGraphs); without a scope (or attn moe) each transformer layer is captured whole the "
         "same way, and full_iteration (megatron-core's own capture) holds the sync-free layer where "
         "full_iteration_blocker allows it. apply() installs the capture behind megatron-core's graph entry points "
         "(TECudaGraphHelper for --cuda-graph-impl transformer_engine; the layers' "
@@ -364,10 +364,10 @@ SERIES: Tuple[Feature, ...] = (
         "tests/gpu/test_layer_and_iteration_graphs.py",
         module="megatron.moe_patches.graphs.moe_layer_graphs",
         bindings=(
-            Binding("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", _GRAPH_ENTRY + "MoEScopeGraphHelper",
+            Binding("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", _GRAPH_ENTRY + "DroplessMoEGraphHelper",
                     "--cuda-graph-impl transformer_engine: Megatron-LM's training loop builds its graph helper by "
                     "this name"),
-            Binding("megatron.training.training", "TECudaGraphHelper", _GRAPH_ENTRY + "MoEScopeGraphHelper",
+            Binding("megatron.training.training", "TECudaGraphHelper", _GRAPH_ENTRY + "DroplessMoEGraphHelper",
                     "Megatron-LM's training loop imported the graph helper by name", optional=True),
             Binding("megatron.core.pipeline_parallel.schedules", "create_cudagraphs", _GRAPH_ENTRY + "create_cudagraphs",
                     "--cuda-graph-impl local: the schedules capture every graph through this name after the "

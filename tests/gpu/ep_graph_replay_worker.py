@@ -27,7 +27,7 @@ def main(out_path):
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply
     from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
-    from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs
+    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
     from megatron.moe_patches.testing.layer_harness import build_moe_layer, fp8_context
 
     apply()
@@ -60,7 +60,7 @@ def main(out_path):
 
         a, b = inputs(1.0), inputs(3.0)
         eager_a, eager_b = step(*a), step(*b)
-        graphs = MoELayerGraphs(layers, a[0], context=lambda: fp8_context(config)).install()
+        graphs = LayerGraphs(layers, a[0], context=lambda: fp8_context(config)).install()
         replay_a, replay_b = step(*a), step(*b)
         replays = graphs.replays
         graphs.uninstall()

@@ -97,7 +97,7 @@ def _main_grads(fusion, grouped_weight, graphs=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.config import PatchedTransformerConfig
-    from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs
+    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
     from megatron.moe_patches.testing.layer_harness import init_single_gpu
 
     from gpu_checks import small_moe_kwargs
@@ -117,7 +117,7 @@ def _main_grads(fusion, grouped_weight, graphs=False):
                    for _ in range(MICRO_BATCHES)]
         captured = None
         if graphs:
-            captured = MoELayerGraphs([model.moe], batches[0][0]).install()
+            captured = LayerGraphs([model.moe], batches[0][0]).install()
         ddp.zero_grad_buffer()
         for hidden, grad in batches:
             ddp(hidden.requires_grad_(True)).backward(grad)

@@ -42,7 +42,7 @@ def worker(case, out_path):
     import torch
 
     from megatron.moe_patches import apply
-    from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs
+    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
     from megatron.moe_patches.testing.layer_harness import build_moe_layer, fp8_context, init_single_gpu
 
     sys.path.insert(0, str(HERE))
@@ -79,7 +79,7 @@ def worker(case, out_path):
 
     a, b = inputs(1.0), inputs(3.0)  # B routes differently
     eager_a, eager_b = step(*a), step(*b)
-    graphs = MoELayerGraphs([layer], a[0], context=lambda: fp8_context(config)).install()
+    graphs = LayerGraphs([layer], a[0], context=lambda: fp8_context(config)).install()
     replay_a, replay_b, replay_a2 = step(*a), step(*b), step(*a)
     graphs.uninstall()
     eager_b2 = step(*b)  # the eager layer is unchanged by the capture

@@ -252,12 +252,12 @@ def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
 
 
 def test_capture_refuses_a_layer_the_table_refuses_before_any_gpu_work():
-    from megatron.moe_patches.graphs.moe_layer_graphs import MoELayerGraphs
+    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
 
     layer = _EagerLayer()
     layer.config = config(cuda_graph_impl="none", moe_token_dispatcher_type="flex")
     with pytest.raises(ValueError, match="cannot capture this MoE layer: the flex dispatcher"):
-        MoELayerGraphs([layer], torch.zeros(8, 2, 4))
+        LayerGraphs([layer], torch.zeros(8, 2, 4))
 
 
 # --- the eligibility table, one rule at a time ------------------------------------------------

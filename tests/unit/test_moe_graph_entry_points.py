@@ -84,7 +84,7 @@ def test_apply_installs_the_capture_behind_every_graph_entry_point():
     stock_helper, stock_create = cuda_graphs.TECudaGraphHelper, schedules.create_cudagraphs
     apply()
     try:
-        assert cuda_graphs.TECudaGraphHelper is moe_cuda_graph.MoEScopeGraphHelper
+        assert cuda_graphs.TECudaGraphHelper is moe_cuda_graph.DroplessMoEGraphHelper
         # the schedules imported create_cudagraphs by name: that name is the one they call
         assert schedules.create_cudagraphs is moe_cuda_graph.create_cudagraphs
         for cls, stock in stock_factories.items():
@@ -103,9 +103,9 @@ def test_apply_installs_the_capture_behind_every_graph_entry_point():
 def test_te_helper_captures_the_moe_layers_with_the_micro_batch_shape(captures):
     c = config(context_parallel_size=1)
     model = model_with_moe_layers(c)
-    helper = moe_cuda_graph.MoEScopeGraphHelper(model=[model], config=c, seq_length=256, micro_batch_size=2,
+    helper = moe_cuda_graph.DroplessMoEGraphHelper(model=[model], config=c, seq_length=256, micro_batch_size=2,
                                                 optimizers=[])
-    assert isinstance(helper, moe_cuda_graph.MoEScopeGraphHelper) and not helper.graphs_created()
+    assert isinstance(helper, moe_cuda_graph.DroplessMoEGraphHelper) and not helper.graphs_created()
     helper.create_cudagraphs()
     assert helper.graphs_created() and len(captures) == 1
     assert captures[0].layers == list(model.layers) and captures[0].shape == (256, 2, 64)
@@ -125,7 +125,7 @@ def test_te_helper_is_the_stock_one_where_no_dropless_moe_layer_is_graphed(overr
 
     monkeypatch.setattr(moe_cuda_graph, "_STOCK_TE_HELPER", StockHelper)
     c = config(**overrides)
-    helper = moe_cuda_graph.MoEScopeGraphHelper([torch.nn.Module()], c, 256, 2, [])
+    helper = moe_cuda_graph.DroplessMoEGraphHelper([torch.nn.Module()], c, 256, 2, [])
     assert isinstance(helper, StockHelper) and made[0][1] is c and not captures
 
 
@@ -143,7 +143,7 @@ def layer_with_mlp(mlp_spec, config, factory_class=TransformerLayer):
 def test_a_dropless_moe_layer_gets_the_patch_sets_manager(factory_class):
     c = config(cuda_graph_impl="local")
     layer = layer_with_mlp(ModuleSpec(module=MoELayer), c, factory_class)
-    assert isinstance(layer.cudagraph_manager, moe_cuda_graph.MoEScopeGraphManager)
+    assert isinstance(layer.cudagraph_manager, moe_cuda_graph.DroplessMoEGraphManager)
 
 
 def test_a_dense_layer_under_the_moe_scope_gets_what_megatron_core_gives_it():
@@ -154,7 +154,7 @@ def test_a_dense_layer_under_the_moe_scope_gets_what_megatron_core_gives_it():
 def test_local_graphs_capture_after_the_warmup_training_steps_only(captures):
     c = config(cuda_graph_impl="local", cuda_graph_warmup_steps=2)
     model = model_with_moe_layers(c)
-    manager = moe_cuda_graph.MoEScopeGraphManager()
+    manager = moe_cuda_graph.DroplessMoEGraphManager()
     hosts = [types.SimpleNamespace(mlp=moe, training=True) for moe in model.layers]
 
     def step(training=True):
@@ -304,7 +304,7 @@ def test_whole_layers_are_captured_with_their_last_training_calls_keywords(captu
     c = config(cuda_graph_scope=[])
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([_Layer(c) for _ in range(2)])
-    helper = moe_cuda_graph.MoEScopeGraphHelper([model], c, 16, 2, [])
+    helper = moe_cuda_graph.DroplessMoEGraphHelper([model], c, 16, 2, [])
     x, rope = torch.zeros(16, 2, 64, dtype=torch.bfloat16), torch.randn(16, 1, 1, 8)
     with torch.no_grad():
         model.layers[0](hidden_states=x, rotary_pos_emb=torch.zeros(3))  # evaluation: not noted
@@ -318,7 +318,7 @@ def test_whole_layers_are_captured_with_their_last_training_calls_keywords(captu
 
     local = config(cuda_graph_impl="local", cuda_graph_scope=[], cuda_graph_warmup_steps=1)
     dense = layer_with_mlp(ModuleSpec(module=MLP), local)
-    assert isinstance(dense.cudagraph_manager, moe_cuda_graph.MoEScopeGraphManager)
+    assert isinstance(dense.cudagraph_manager, moe_cuda_graph.DroplessMoEGraphManager)
     assert dense.cudagraph_manager.whole_layer  # every layer of the model, dense ones too
     layer = _Layer(local)
     dense.cudagraph_manager(layer, (), dict(hidden_states=x, rotary_pos_emb=rope, packed_seq_params=None))

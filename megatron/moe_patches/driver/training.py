@@ -515,12 +515,12 @@ def moe_graph_helper(model, gpt, optimizer, args):
 
 
 def warn_if_graphs_never_replay(captures, checked: set) -> None:
-    """One warning for MoE layer graphs that did not replay in the whole step after their capture."""
+    """One warning for layer graphs (F11) that did not replay in the whole step after their capture."""
     for graphs in captures:
         if id(graphs) not in checked:
             checked.add(id(graphs))
             if not graphs.replays:
-                logger.warning("moe_patches: the captured MoE layer graphs did not replay in the step after "
+                logger.warning("moe_patches: the captured layer graphs did not replay in the step after "
                                "the capture (every call ran eagerly: another input shape or a padding mask)")
 
 

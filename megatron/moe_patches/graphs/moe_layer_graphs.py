@@ -14,7 +14,7 @@ validation and capture both read).
 megatron-core 0.16.1 refuses ``cuda_graph_scope=moe`` for dropless MoE; the patched
 config accepts it when the plan's ``graph_blocker`` is None and refuses it by name otherwise.
 
-Why the patch set captures the layer itself (``MoELayerGraphs``) instead of handing it
+Why the patch set captures the layer itself (``LayerGraphs``) instead of handing it
 to megatron-core's local graph manager or ``torch.cuda.make_graphed_callables``: both
 capture the backward with the model parameters as ``torch.autograd.grad`` inputs (the
 latter measured on this layer). torch (>= 2.10) then accumulates each parameter's
@@ -35,7 +35,7 @@ own graph entry points, which ``apply()`` installs (the registry lists the bindi
   the stock helper's behaviour.
 - ``--cuda-graph-impl local``: each transformer layer asks ``create_mcore_cudagraph_manager``
   for a graph manager at construction. For a layer whose MLP is an MoE layer under a
-  dropless ``moe`` scope the patched method attaches ``MoEScopeGraphManager``, which runs the
+  dropless ``moe`` scope the patched method attaches ``DroplessMoEGraphManager``, which runs the
   layer eagerly and notes its MoE layer; megatron-core's ``create_cudagraphs()``, which the
   schedules call after every forward-backward, then captures the noted layers once
   ``--cuda-graph-warmup-steps`` training steps (at least one) have run.
@@ -159,8 +159,9 @@ class _Replay(torch.autograd.Function):
         return (None, captured.static_grad_x.detach(), None, *grad_params)
 
 
-class MoELayerGraphs:
-    """MoE layers captured forward and backward for one input shape, sharing one memory pool.
+class LayerGraphs:
+    """Layers (MoE layers, or transformer layers whole) captured forward and backward for one
+    call signature, sharing one memory pool.
 
     ``install()`` makes each layer's ``forward`` replay its graphs (an instance attribute;
     ``uninstall()`` deletes it again). Capture order is the training order: every layer's
@@ -317,11 +318,11 @@ def _modules_of(model, kind) -> List[torch.nn.Module]:
 
 # --- the capture in any training loop ------------------------------------------------------
 
-_captures: List[MoELayerGraphs] = []  # installed by capture_moe_layers, oldest first
+_captures: List[LayerGraphs] = []  # installed by capture_moe_layers, oldest first
 
 
-def active_captures() -> List[MoELayerGraphs]:
-    """The MoE layer graphs installed in this process (what a loop can ask about replays)."""
+def active_captures() -> List[LayerGraphs]:
+    """The layer graphs (F11) installed in this process (what a loop can ask about replays)."""
     return list(_captures)
 
 
@@ -349,7 +350,7 @@ def _router_logs_kept():
 
 
 def capture_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, when: str,
-                   kwargs: Optional[Dict[str, torch.Tensor]] = None) -> MoELayerGraphs:
+                   kwargs: Optional[Dict[str, torch.Tensor]] = None) -> LayerGraphs:
     """The one capture every loop reaches: ``layers`` (in forward order; MoE layers, or
     transformer layers whole) for micro-batches of ``shape`` and calls with the keyword tensors
     ``kwargs`` has (their values are copied in), installed so that their next training calls
@@ -362,7 +363,7 @@ def capture_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, w
     # stream (dropout elsewhere in the model) must go on as if there had been no capture.
     with torch.random.fork_rng(devices=[device]), _router_logs_kept():
         sample_TBH = torch.randn(shape, dtype=dtype, device=device)
-        graphs = MoELayerGraphs(layers, sample_TBH, context=lambda: get_fp8_context(config),
+        graphs = LayerGraphs(layers, sample_TBH, context=lambda: get_fp8_context(config),
                                 sample_kwargs=kwargs).install()
     _captures.append(graphs)
     what = "transformer layers (attention and MoE)" if captures_whole_layers(config) else "MoE layers"
@@ -371,7 +372,7 @@ def capture_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, w
     return graphs
 
 
-def release(graphs: MoELayerGraphs) -> None:
+def release(graphs: LayerGraphs) -> None:
     """Undo ``capture_moe_layers``: the layers run eagerly again and the graphs can be freed."""
     graphs.uninstall()
     if graphs in _captures:
@@ -382,7 +383,7 @@ def _steps(count: int) -> str:
     return f"{count} eager step{'s' if count != 1 else ''}"
 
 
-class MoEScopeGraphHelper:
+class DroplessMoEGraphHelper:
     """megatron-core's ``TECudaGraphHelper`` as ``apply()`` installs it.
 
     Loops build it with ``--cuda-graph-impl transformer_engine`` and call
@@ -411,7 +412,7 @@ class MoEScopeGraphHelper:
             shape = (seq_length // config.context_parallel_size, micro_batch_size, config.hidden_size)
             for layer in self.layers:
                 self.calls.seen[layer] = (shape, config.params_dtype, {})
-        self.graphs: List[MoELayerGraphs] = []
+        self.graphs: List[LayerGraphs] = []
 
     def graphs_created(self) -> bool:
         return bool(self.graphs)
@@ -448,7 +449,7 @@ class _Calls:
         if layer.training and torch.is_grad_enabled():
             self.note(layer, args[0] if args else kwargs["hidden_states"], kwargs)
 
-    def capture(self, layers, config, when: str) -> List[MoELayerGraphs]:
+    def capture(self, layers, config, when: str) -> List[LayerGraphs]:
         """Capture ``layers`` that had a graphable call, those with the same call together."""
         groups: Dict[Tuple, Tuple[list, Tuple]] = {}
         for layer in layers:
@@ -459,7 +460,7 @@ class _Calls:
                 for group, (shape, dtype, kwargs) in groups.values()]
 
 
-class MoEScopeGraphManager:
+class DroplessMoEGraphManager:
     """The graph manager ``apply()`` gives a transformer layer under ``--cuda-graph-impl local``
     whose graphs take in a dropless MoE layer: the MoE layer alone (scope ``moe``) or the
     whole layer (``whole_layer``: no scope, or ``attn moe``; dense layers of the model too).
@@ -477,21 +478,15 @@ class MoEScopeGraphManager:
         if layer.training and torch.is_grad_enabled():
             hidden_TBH = args[0] if args else kwargs["hidden_states"]
             if self.whole_layer:
-                _local_captures.note(layer, hidden_TBH, {**dict(zip(_extra_names(layer), args[1:])), **kwargs})
+                if len(args) <= 1:  # (megatron-core passes keywords; other positional values cannot replay)
+                    _local_captures.note(layer, hidden_TBH, kwargs)
             else:
                 _local_captures.note(layer.mlp, hidden_TBH, {})
         return torch.nn.Module.__call__(layer, *args, **kwargs)
 
 
-def _extra_names(layer) -> List[str]:
-    """The names of a layer's positional arguments after the hidden states."""
-    import inspect
-
-    return list(inspect.signature(type(layer).forward).parameters)[2:]
-
-
 class _LocalCaptures:
-    """The layers that ran training steps under ``MoEScopeGraphManager``, captured together
+    """The layers that ran training steps under ``DroplessMoEGraphManager``, captured together
     after ``--cuda-graph-warmup-steps`` such steps (at least one: the shape of a micro-batch
     is known only once one has run)."""
 
@@ -526,7 +521,7 @@ _local_captures = _LocalCaptures()
 def create_cudagraphs():
     """megatron-core's ``create_cudagraphs()`` (the schedules call it after every
     forward-backward under ``--cuda-graph-impl local``), then the capture of the MoE layers
-    that ``MoEScopeGraphManager`` noted."""
+    that ``DroplessMoEGraphManager`` noted."""
     result = _STOCK_CREATE_CUDAGRAPHS()
     _local_captures.end_of_step()
     return result
@@ -539,19 +534,19 @@ def _builds_moe_layer(spec) -> bool:
 
 def manager_factory(layer_class, stock_factory):
     """``layer_class.create_mcore_cudagraph_manager`` for apply(): a dropless MoE layer under
-    the moe scope gets MoEScopeGraphManager (the patch set's capture), anything else what
+    the moe scope gets DroplessMoEGraphManager (the patch set's capture), anything else what
     ``stock_factory`` gives it."""
 
     def create_mcore_cudagraph_manager(self, config):
         if captures_whole_layers(config):
-            self.cudagraph_manager = MoEScopeGraphManager(whole_layer=True)
+            self.cudagraph_manager = DroplessMoEGraphManager(whole_layer=True)
         elif graphs_dropless_moe(config) and _builds_moe_layer(self.submodules_config.mlp):
-            self.cudagraph_manager = MoEScopeGraphManager()
+            self.cudagraph_manager = DroplessMoEGraphManager()
         else:
             stock_factory(self, config)
 
     create_mcore_cudagraph_manager.__doc__ = (
         f"{layer_class.__name__}'s graph manager factory; under graphs of dropless MoE layers (the moe "
         "scope: a layer with an MoE layer; the whole layer: every layer) the layer gets "
-        "MoEScopeGraphManager (the patch set's capture), anything else the stock one.")
+        "DroplessMoEGraphManager (the patch set's capture), anything else the stock one.")
     return create_mcore_cudagraph_manager
