@@ -195,7 +195,28 @@ def test_driver_accepts_whole_layer_and_whole_iteration_graphs(parsed, one_rank,
     assert [s for s in args.cuda_graph_scope] == [s for s in scope if not s.startswith("--")]
 
 
+def test_driver_reads_the_old_full_scope_as_the_whole_layer(parsed, one_rank, capsys):
+    args = parsed([*TINY, "--moe-device-tokens-per-expert", "--cuda-graph-impl", "local", "--cuda-graph-scope", "full"])
+    assert args.cuda_graph_scope == [] and "warning: --cuda-graph-scope full is deprecated" in capsys.readouterr().err
+
+
+def test_driver_refuses_a_ramp_up_under_the_whole_iteration_graph():
+    """(The rule asked directly: the tiny recipe counts its run in iterations.)"""
+    import argparse
+
+    from megatron.moe_patches.driver.arguments import _check_graph_scope
+
+    args = argparse.Namespace(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"],
+                              check_for_nan_in_loss_and_grad=False, rampup_batch_size=[2, 2, 40])
+    with pytest.raises(ValueError, match="fixed number of micro-batches"):
+        _check_graph_scope(args)
+    args.rampup_batch_size = None
+    _check_graph_scope(args)
+
+
 @pytest.mark.parametrize("extra, expected", [
+    (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "local", "--cuda-graph-scope", "full", "moe"],
+     "full (the whole layer, megatron-core's old spelling) stands alone"),
     (["--cuda-graph-impl", "local", "--cuda-graph-scope", "moe"], "set --moe-device-tokens-per-expert"),
     (["--cuda-graph-impl", "local"], "set --moe-device-tokens-per-expert"),  # the whole layer holds the MoE layer
     (["--moe-device-tokens-per-expert", "--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"],

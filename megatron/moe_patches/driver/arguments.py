@@ -669,6 +669,13 @@ def apply_megatron_lm_rules(args: argparse.Namespace, warn: Callable[[str], None
             raise ValueError(f"--num-query-groups {args.num_query_groups} takes effect only with "
                              "--group-query-attention (as in Megatron-LM): add it, or drop --num-query-groups")
         args.num_query_groups = None  # multi-head attention, as config, checkpoints and logs read it
+    if "full" in (args.cuda_graph_scope or []):  # megatron-core's old name of the whole layer
+        if args.cuda_graph_scope != ["full"]:
+            raise ValueError(f"--cuda-graph-scope {' '.join(args.cuda_graph_scope)}: full (the whole layer, "
+                             "megatron-core's old spelling) stands alone; drop it, or the other scopes")
+        warn("--cuda-graph-scope full is deprecated (megatron-core): each layer is captured whole without "
+             "--cuda-graph-scope; running as that")
+        args.cuda_graph_scope = []
     if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
         warn("Disabling sequence parallelism because tensor model parallelism is disabled")  # Megatron-LM's words
         args.sequence_parallel = False
