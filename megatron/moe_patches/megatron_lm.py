@@ -203,8 +203,8 @@ def _checking_the_config(validate: Callable) -> Callable:
 def _training_graphs_at_ep(args: argparse.Namespace):
     """Megatron-LM asserts --moe-pad-experts-for-cuda-graph-inference for local CUDA graphs at
     EP > 1: a flag of inference's text generation (its routers sync with the host) that
-    training never reads. The patch set's dropless MoE graphs (scope ``moe``) are judged by its
-    own rule once Megatron-LM's checks pass (``plan.graphs.graph_blocker``: sync-free counts,
+    training never reads. The patch set's dropless MoE graphs (scope ``moe``, the whole layer, the
+    whole iteration) are judged by its own rule once Megatron-LM's checks pass (``plan.graphs.graph_blocker``: sync-free counts,
     the symmetric exchange), so Megatron-LM's check sees the flag set and the user's value comes
     back after it."""
     from megatron.moe_patches.plan.graphs import scope_names
@@ -224,8 +224,8 @@ def _training_graphs_at_ep(args: argparse.Namespace):
 
 
 def _graphs_take_in_moe(names) -> bool:
-    """The moe scope, or the whole layer (no scope)."""
-    return "moe" in names or not names
+    """The moe scope, the whole layer (no scope), or the whole iteration."""
+    return "moe" in names or not names or "full_iteration" in names
 
 
 def check_config_before_start(args: argparse.Namespace) -> None:
@@ -244,21 +244,25 @@ def check_config_before_start(args: argparse.Namespace) -> None:
 
 
 def full_iteration_refusal(args: argparse.Namespace) -> Optional[str]:
-    """What in Megatron-LM's loop a ``full_iteration`` graph cannot hold, or None: with timing at
-    level 1 or more megatron-core's schedule starts its forward-backward timer inside the
-    captured function, and with Megatron-LM's default --barrier-with-level-1-timing that timer
-    waits in a torch.distributed barrier, which a capture refuses (measured on an H200:
-    "operation not permitted when stream is capturing")."""
+    """What in Megatron-LM's loop a ``full_iteration`` graph cannot hold, or None. With timing at
+    level 1 or more megatron-core's schedule starts and stops its forward-backward timer inside
+    the captured function, and its timers synchronize the device (and, with Megatron-LM's default
+    --barrier-with-level-1-timing, wait in a barrier first), which a capture refuses (measured on
+    an H200: "operation not permitted when stream is capturing"). The spiky-loss check reads each
+    loss on the host inside it too."""
     from megatron.moe_patches.plan.graphs import FULL_ITERATION, scope_names
 
     if (getattr(args, "cuda_graph_impl", "none") != "local"
             or FULL_ITERATION not in scope_names(getattr(args, "cuda_graph_scope", None))):
         return None
     level = getattr(args, "timing_log_level", 0) or 0
-    if level >= 1 and getattr(args, "barrier_with_L1_time", True):
-        return (f"--cuda-graph-scope full_iteration with --timing-log-level {level}: megatron-core's schedule starts "
-                "its forward-backward timer with a barrier inside the captured iteration, which a CUDA graph "
-                "cannot hold; add --no-barrier-with-level-1-timing, or use --timing-log-level 0")
+    if level >= 1:
+        return (f"--cuda-graph-scope full_iteration with --timing-log-level {level}: megatron-core's schedule times "
+                "the forward-backward inside the captured iteration, and its timers synchronize the device, which "
+                "a CUDA graph cannot hold; use --timing-log-level 0")
+    if getattr(args, "check_for_spiky_loss", False):
+        return ("--cuda-graph-scope full_iteration with --check-for-spiky-loss: the check reads each loss on the host "
+                "inside the captured iteration; drop --check-for-spiky-loss")
     return None
 
 

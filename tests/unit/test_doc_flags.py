@@ -60,9 +60,7 @@ NOT_DRIVER_FLAGS: Dict[str, str] = {
     # Megatron-LM flags the docs name as refused by the driver or as Megatron-LM's alone
     "--fp8-param-gather": "patches/F10 lists it as a limit of the FP8 experts; the driver refuses it (FP8 params)",
     "--overlap-param-gather": "patches/README.md: what Megatron's DDP does under it; the driver refuses it",
-    "--barrier-with-level-1-timing": "Megatron-LM: its default, named by README's full_iteration refusal in its loop",
-    "--no-barrier-with-level-1-timing": "Megatron-LM: README's way out of that refusal (the driver's timers have no "
-                                        "barrier and refuse the flag)",
+    "--check-for-spiky-loss": "Megatron-LM: its loss check, refused with full_iteration in its loop (README)",
 }
 
 # A flag: two dashes, a letter, then letters, digits, '_' or '-' (a trailing '-' is prose).

@@ -185,7 +185,7 @@ def test_megatron_lm_validating_its_args_checks_the_patch_config_before_start_up
 @pytest.mark.parametrize("scope", [["moe"], ["attn"], [], ["attn", "moe"], ["full_iteration"]])
 def test_moe_graphs_at_ep_pass_megatron_lms_inference_padding_rule(fake_training, monkeypatch, scope):
     """Megatron-LM asserts an inference-only flag for local graphs at EP > 1; for the patch
-    set's MoE graphs (scope moe, or the whole layer) its own rule judges the config instead, and
+    set's MoE graphs (scope moe, the whole layer or iteration) its own rule judges the config instead, and
     the user's value of the flag is what the run keeps. Other scopes meet Megatron-LM's
     assertion as before."""
     from megatron.core.transformer.enums import CudaGraphScope
@@ -195,7 +195,7 @@ def test_moe_graphs_at_ep_pass_megatron_lms_inference_padding_rule(fake_training
     args = parsed_defaults(use_checkpoint_args=False, num_experts=8, expert_model_parallel_size=2,
                            cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope[s] for s in scope],
                            moe_pad_experts_for_cuda_graph_inference=False)
-    if scope not in (["moe"], [], ["attn", "moe"]):
+    if scope not in (["moe"], [], ["attn", "moe"], ["full_iteration"]):
         with pytest.raises(AssertionError, match="moe-pad-experts-for-cuda-graph-inference"):
             fake_training.initialize.initialize_megatron(args)
         return
@@ -451,13 +451,15 @@ def test_the_dataset_helpers_build_is_skipped_only_where_the_wheel_ships_them_bu
     assert utils.compile_helpers is stock
 
 
-@pytest.mark.parametrize("level, barrier, refused", [(1, True, True), (2, True, True), (0, True, False),
-                                                      (1, False, False)])
-def test_full_iteration_with_barrier_timers_is_refused_before_start_up(fake_training, capsys, monkeypatch, level,
-                                                                       barrier, refused):
+@pytest.mark.parametrize("level, barrier, spiky, refused", [
+    (1, True, False, "--timing-log-level 0"), (2, True, False, "--timing-log-level 0"),
+    (1, False, False, "--timing-log-level 0"),  # the timers synchronize the device even without the barrier
+    (0, True, True, "drop --check-for-spiky-loss"), (0, True, False, None)])
+def test_full_iteration_with_host_work_inside_is_refused_before_start_up(fake_training, capsys, monkeypatch, level,
+                                                                         barrier, spiky, refused):
     """megatron-core's schedule starts its level-1 forward-backward timer inside the captured
-    iteration; with the barrier Megatron-LM adds to level-1 timing the capture fails (measured on
-    an H200), so the combination ends the run before start-up, naming both ways out."""
+    iteration, and its timers synchronize the device (the capture failed so on an H200); the
+    spiky-loss check reads each loss on the host there. Either ends the run before start-up."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.transformer.enums import CudaGraphScope
 
@@ -470,7 +472,7 @@ def test_full_iteration_with_barrier_timers_is_refused_before_start_up(fake_trai
                                moe_device_tokens_per_expert=True, moe_permute_fusion=True, bf16=True,
                                params_dtype=torch.bfloat16, gated_linear_unit=True,
                                activation_func=torch.nn.functional.silu, cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope.full_iteration],
-                               timing_log_level=level, barrier_with_L1_time=barrier)
+                               timing_log_level=level, barrier_with_L1_time=barrier, check_for_spiky_loss=spiky)
         if not refused:
             assert megatron_lm.full_iteration_refusal(args) is None
             return
@@ -478,6 +480,6 @@ def test_full_iteration_with_barrier_timers_is_refused_before_start_up(fake_trai
             fake_training.initialize.initialize_megatron(args)
         assert exited.value.code == 2
         err = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
-        assert len(err) == 1 and "--no-barrier-with-level-1-timing" in err[0] and "--timing-log-level 0" in err[0]
+        assert len(err) == 1 and refused in err[0] and "full_iteration" in err[0], err
     finally:
         megatron_lm.disable()

@@ -447,3 +447,52 @@ def test_allgather_keeps_host_counts_where_the_row_count_is_not_tokens_times_top
     for name, value in late.items():
         setattr(c, name, value)
     assert not allgather_keeps_counts_on_device(c, 1, 1)
+
+
+def test_aliases_carry_what_fused_wgrad_modules_read_off_their_weights(monkeypatch):
+    """TE's and megatron-core's linears hand back a placeholder gradient and set
+    grad_added_to_main_grad only where the weight has that attribute; the aliases the capture
+    differentiates must have it (and main_grad, zero_out_wgrad) as the parameters do, or those
+    parameters get no gradient and DDP's overlapped reduction never counts them."""
+    from megatron.moe_patches.graphs.moe_layer_graphs import _Captured
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
+    layer = torch.nn.Linear(4, 4)
+    layer.weight.main_grad = torch.zeros(4, 4)
+    layer.weight.grad_added_to_main_grad = False
+    layer.weight.zero_out_wgrad = True
+    captured = _Captured(layer, torch.zeros(2, 4), {})
+    captured.make_aliases()
+    alias = dict(zip(captured.names, captured.aliases))["weight"]
+    assert alias.main_grad is layer.weight.main_grad and alias.grad_added_to_main_grad is False
+    assert alias.zero_out_wgrad is True
+    assert not hasattr(dict(zip(captured.names, captured.aliases))["bias"], "grad_added_to_main_grad")
+    assert captured.grads_taken_by_ddp == [True, False]  # weight, bias
+
+
+def test_a_parameter_outside_ddp_keeps_its_own_gradient_across_replays(monkeypatch):
+    """Each backward replay writes the graph's gradient buffers again: a parameter without
+    Megatron DDP's main_grad must get a copy, or its accumulated .grad is overwritten (two
+    micro-batches with gradients 1 and 5 summed to 10 instead of 6)."""
+    from megatron.moe_patches.graphs.moe_layer_graphs import _Replay
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+    static_grad = torch.zeros(3)
+    values = iter([1.0, 5.0])
+    captured = types.SimpleNamespace(
+        before_replay=lambda x, kw: None, fwd_graph=types.SimpleNamespace(replay=lambda: None),
+        bwd_graph=types.SimpleNamespace(replay=lambda: static_grad.fill_(next(values))),
+        static_out=torch.ones(2, 3), static_grad_out=torch.zeros(2, 3), static_grad_x=torch.zeros(2, 3),
+        static_grad_params=(static_grad,), grads_taken_by_ddp=[False], into_main_grad=())
+    for _ in range(2):
+        x = torch.zeros(2, 3, requires_grad=True)
+        _Replay.apply(captured, x, {}, weight).sum().backward()
+    assert torch.equal(weight.grad, torch.full((3,), 6.0))
+
+
+def test_a_keyword_tensor_that_needs_a_gradient_runs_the_layer_eagerly():
+    from megatron.moe_patches.graphs.moe_layer_graphs import graphable_kwargs
+
+    rope = torch.zeros(4)
+    assert graphable_kwargs((), {"rotary_pos_emb": rope, "attention_mask": None}) == {"rotary_pos_emb": rope}
+    assert graphable_kwargs((), {"attention_bias": torch.zeros(4, requires_grad=True)}) is None

@@ -225,7 +225,9 @@ def test_fp8_in_the_whole_layer_is_named():
 
     fp8 = types.SimpleNamespace(fp8="e4m3", recompute_granularity=None, context_parallel_size=1,
                                 cuda_graph_impl="local", cuda_graph_warmup_steps=1)
-    assert "FP8 in the attention" in _whole_layer_blocker(fp8)
+    assert "FP8 (or FP4) in the attention" in _whole_layer_blocker(fp8)
+    assert "FP8 (or FP4) in the attention" in _whole_layer_blocker(types.SimpleNamespace(**{**vars(fp8), "fp8": None,
+                                                                                          "fp4": "e2m1"}))
     assert _whole_layer_blocker(types.SimpleNamespace(**{**vars(fp8), "fp8": None})) is None
 
 
@@ -242,7 +244,12 @@ def test_what_the_whole_layer_cannot_capture_is_refused_by_name(overrides, named
 def test_full_iteration_needs_a_graph_safe_moe_layer():
     with pytest.raises(ValueError, match="full_iteration .* copies token counts to the host"):
         config(cuda_graph_impl="local", cuda_graph_scope="full_iteration", moe_device_tokens_per_expert=False)
+    with pytest.raises(ValueError, match="full_iteration .* --cuda-graph-warmup-steps 0"):
+        config(cuda_graph_impl="local", cuda_graph_scope="full_iteration", cuda_graph_warmup_steps=0)
     config(cuda_graph_impl="local", cuda_graph_scope="full_iteration")  # the sync-free layer can be in it
+    # what only a per-layer capture needs is no reason here: the whole iteration is one graph, whose
+    # replays draw new random numbers from the generators megatron-core registers with it
+    config(cuda_graph_impl="local", cuda_graph_scope="full_iteration", moe_input_jitter_eps=0.01)
 
 
 # --- a replay runs the forward pre-hooks of the submodules it skips -------------------------------

@@ -96,6 +96,7 @@ class _Captured:
         # Parameters whose weight gradient the captured backward adds into main_grad (F13, or TE's
         # own fusion): each replay tells DDP's hook again, which the Python code of the capture did.
         self.into_main_grad = ()
+        self.grads_taken_by_ddp = [hasattr(p, "main_grad") for p in self.params]
         self.replays = 0  # forward replays since the capture
         # Work the graphs leave to the host before each replay: the FP8 backend's weight
         # copies (quantized once per optimizer step, outside the graph).
@@ -125,8 +126,13 @@ class _Captured:
     def make_aliases(self):
         self.aliases = [p.detach().requires_grad_(True) for p in self.params]
         for param, alias in zip(self.params, self.aliases):
-            if hasattr(param, "main_grad"):  # a module that fuses wgrad accumulation reads it off the alias
-                alias.main_grad = param.main_grad
+            # What a module that fuses wgrad accumulation reads off its weight (TE's linears and
+            # megatron-core's ask hasattr(weight, "grad_added_to_main_grad") before they hand back
+            # a placeholder gradient and set it; without it they return none, and DDP's hook,
+            # which counts each gradient for its buckets, would never fire for that parameter).
+            for name in ("main_grad", "grad_added_to_main_grad", "zero_out_wgrad"):
+                if hasattr(param, name):
+                    setattr(alias, name, getattr(param, name))
 
     def capture_backward(self, **capture):
         """Capture the backward and note which parameters it adds into main_grad."""
@@ -155,7 +161,11 @@ class _Replay(torch.autograd.Function):
         captured.bwd_graph.replay()
         for param in captured.into_main_grad:
             param.grad_added_to_main_grad = True
-        grad_params = tuple(None if g is None else g.detach() for g in captured.static_grad_params)
+        # A parameter under Megatron's DDP (it has main_grad) takes the graph's buffer: DDP's hook adds
+        # it into main_grad and drops it before the next replay. Any other keeps a copy as its .grad,
+        # which the next replay would overwrite.
+        grad_params = tuple(None if g is None else g.detach() if owned else g.clone()
+                            for g, owned in zip(captured.static_grad_params, captured.grads_taken_by_ddp))
         return (None, captured.static_grad_x.detach(), None, *grad_params)
 
 
@@ -248,13 +258,14 @@ def _signature(shape, dtype, tensor_kwargs: Dict[str, torch.Tensor]) -> Tuple:
 
 def graphable_kwargs(args: Sequence, kwargs: Dict) -> Optional[Dict[str, torch.Tensor]]:
     """A layer call's keyword tensors (the graph's static inputs besides the hidden states),
-    or None where the call cannot replay a graph: extra positional values, or a keyword value
-    that is neither a tensor nor None (packed-sequence parameters, an inference context)."""
+    or None where the call cannot replay a graph: extra positional values, a keyword tensor
+    that needs a gradient (e.g. a learned attention bias), or a keyword value that is neither
+    a tensor nor None (packed-sequence parameters, an inference context)."""
     if any(a is not None for a in args):
         return None
     tensors = {}
     for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not value.requires_grad:  # (a static input gets no gradient)
             tensors[name] = value
         elif value is not None:
             return None

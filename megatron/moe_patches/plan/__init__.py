@@ -156,21 +156,20 @@ def make_plan(config) -> MoEPlan:
     padding = choose_padding(config, backend, notes)
     exchange = choose_exchange(config, backend, padding, notes)
     wgrad_fused = wgrad_into_main_grad(config, backend, notes)
-    moe_graph_blocker = graph_blocker(config, backend, blockers, exchange)
     return MoEPlan(
         backend=backend,
         backend_support=support,
         padding=padding,
         exchange=exchange,
         single_grouped_refusal=single_grouped_refusal(config, backend, support),
-        graph_blocker=moe_graph_blocker,
+        graph_blocker=graph_blocker(config, backend, blockers, exchange),
         ep_size=ep_size(config),
         expert_tp_size=expert_tp_size(config),
         notes=tuple(notes),
         wgrad_into_main_grad=wgrad_fused,
         te_device_splits=te_device_splits(config, backend),
         graph_unit="transformer layer" if captures_whole_layers(config) else "MoE layer",
-        full_iteration_blocker=full_iteration_blocker(config, moe_graph_blocker, backend),
+        full_iteration_blocker=full_iteration_blocker(config, backend, blockers, exchange),
     )
 
 

@@ -59,6 +59,33 @@ def graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Option
     """Why this config's MoE layer cannot be captured as one CUDA graph, or None. ``blockers``:
     each backend with why it cannot run the config (named where the chosen one takes host
     counts)."""
+    reason = _host_sync_blocker(config, backend, blockers, exchange)
+    if reason is not None:
+        return reason
+    if config.pipeline_model_parallel_size > 1:
+        return "pipeline parallelism: micro-batches in flight would share the graph's static buffers"
+    if config.moe_input_jitter_eps:
+        return "--moe-input-jitter-eps draws random numbers inside the layer"
+    if config.moe_shared_expert_overlap:
+        return "--moe-shared-expert-overlap runs the shared experts on a side stream"
+    if config.fp8 and config.moe_shared_expert_intermediate_size:
+        return "shared experts under FP8 keep Transformer Engine's FP8 state, which this capture does not manage"
+    recomputed = set(config.recompute_modules or []) & {"moe", "moe_act", "shared_experts"}
+    if config.recompute_granularity == "full" or (config.recompute_granularity == "selective" and recomputed):
+        return "recompute of the MoE layer (--recompute-granularity / --recompute-modules)"
+    if config.cpu_offloading or config.fine_grained_activation_offloading:
+        return "activation offloading"
+    reason = _host_counts_blocker(backend, blockers)
+    if reason is not None:
+        return reason
+    if captures_whole_layers(config):
+        return _whole_layer_blocker(config)
+    return None
+
+
+def _host_sync_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Optional[str]:
+    """Where this config's MoE layer waits for the GPU outside its experts (what no graph can
+    hold), or None."""
     if config.num_moe_experts is None:
         return "it has no MoE layer (num_moe_experts is not set)"
     if not patch_option(config, "moe_device_tokens_per_expert"):
@@ -72,8 +99,6 @@ def graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Option
             return f"{ep}: the symmetric exchange cannot run here ({exchange.reason})"
     if config.tensor_model_parallel_size > 1 or expert_tp_size(config) > 1:
         return "tensor parallelism > 1 (the dispatchers gather with host split sizes)"
-    if config.pipeline_model_parallel_size > 1:
-        return "pipeline parallelism: micro-batches in flight would share the graph's static buffers"
     if config.moe_token_dispatcher_type not in (ALLTOALL, ALLGATHER):
         return f"the {config.moe_token_dispatcher_type} dispatcher (graph-safe: alltoall, allgather)"
     if not config.moe_permute_fusion and exchange.name != SYMMETRIC_MEMORY:  # F12 sends tokens unpermuted
@@ -82,30 +107,22 @@ def graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Option
         return "token dropping (--moe-expert-capacity-factor); megatron-core's own graphs cover drop-and-pad"
     if config.moe_router_padding_for_quantization:
         return "--moe-router-padding-for-quantization sizes the routing map on the host"
-    if config.moe_input_jitter_eps:
-        return "--moe-input-jitter-eps draws random numbers inside the layer"
-    if config.moe_shared_expert_overlap:
-        return "--moe-shared-expert-overlap runs the shared experts on a side stream"
-    if config.fp8 and config.moe_shared_expert_intermediate_size:
-        return "shared experts under FP8 keep Transformer Engine's FP8 state, which this capture does not manage"
-    recomputed = set(config.recompute_modules or []) & {"moe", "moe_act", "shared_experts"}
-    if config.recompute_granularity == "full" or (config.recompute_granularity == "selective" and recomputed):
-        return "recompute of the MoE layer (--recompute-granularity / --recompute-modules)"
-    if config.cpu_offloading or config.fine_grained_activation_offloading:
-        return "activation offloading"
+    return None
+
+
+def _host_counts_blocker(backend, blockers) -> Optional[str]:
+    """Why the chosen experts wait for the host's token counts, or None."""
     if not backend.takes_device_counts:
         why = "; ".join(f"{b.name}: {reason}" for b, reason in blockers if b.takes_device_counts and reason)
         return f"the {backend.name} expert backend takes host token counts ({why})"
-    if captures_whole_layers(config):
-        return _whole_layer_blocker(config)
     return None
 
 
 def _whole_layer_blocker(config) -> Optional[str]:
     """What the attention around the MoE layer adds when the whole layer is one graph."""
-    if config.fp8:
-        return ("FP8 in the attention's Transformer Engine layers keeps TE's FP8 state, which this capture does "
-                "not manage (it refreshes the experts' FP8 weights only): use --cuda-graph-scope moe")
+    if config.fp8 or getattr(config, "fp4", None):
+        return ("FP8 (or FP4) in the attention's Transformer Engine layers keeps TE's state, which this capture "
+                "does not manage (it refreshes the experts' FP8 weights only): use --cuda-graph-scope moe")
     if config.recompute_granularity is not None:
         return "recompute inside the captured layer (--recompute-granularity): use --cuda-graph-scope moe"
     if config.context_parallel_size > 1:
@@ -116,15 +133,21 @@ def _whole_layer_blocker(config) -> Optional[str]:
     return None
 
 
-def full_iteration_blocker(config, moe_graph_blocker: Optional[str], backend) -> Optional[str]:
+def full_iteration_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Optional[str]:
     """Why megatron-core's ``full_iteration`` graph cannot hold this config's MoE layers, or
-    None (a config without MoE layers: megatron-core decides alone)."""
+    None (also where it is not asked for). The graph replays whole iterations, so only what
+    waits for the host matters, not what a per-layer capture needs (pipeline stages, side
+    streams and recompute are all inside the one graph)."""
     if (config.num_moe_experts is None or config.cuda_graph_impl != "local"
             or FULL_ITERATION not in scope_names(config.cuda_graph_scope)):
         return None
-    if moe_graph_blocker is not None:
-        return moe_graph_blocker
+    reason = _host_sync_blocker(config, backend, blockers, exchange) or _host_counts_blocker(backend, blockers)
+    if reason is not None:
+        return reason
     if hasattr(backend, "refresh_weight_caches"):
         return (f"the {backend.name} experts refresh their FP8 weight copies from the host after each optimizer "
                 "step, which a replayed iteration would skip: use --cuda-graph-scope moe")
+    if config.cuda_graph_warmup_steps < 1:
+        return ("--cuda-graph-warmup-steps 0: the first iteration would be captured before anything ran "
+                "(the exchange's buffers, the kernels' first launches); use at least 1")
     return None
