@@ -331,3 +331,11 @@ def test_whole_layers_are_captured_with_their_last_training_calls_keywords(captu
     dense.cudagraph_manager(layer, (), dict(hidden_states=x, rotary_pos_emb=rope, packed_seq_params=None))
     moe_cuda_graph.create_cudagraphs()
     assert len(captures) == 2 and captures[1].layers == [layer] and list(captures[1].kwargs) == ["rotary_pos_emb"]
+
+
+def test_the_plan_says_whether_the_whole_iteration_graph_can_hold_the_moe_layers():
+    from megatron.moe_patches.plan import plan_for
+
+    lines = plan_for(config(cuda_graph_impl="local", cuda_graph_scope="full_iteration")).lines()
+    assert "CUDA graph of the whole iteration: can hold the MoE layers" in lines
+    assert not any("whole iteration" in line for line in plan_for(config()).lines())

@@ -57,8 +57,8 @@ from megatron.moe_patches.plan.exchange import (
     choose_exchange,
     exchange_config_errors,
 )
-from megatron.moe_patches.plan.graphs import (captures_whole_layers, full_iteration_blocker, graph_blocker,
-                                              graphs_dropless_moe, scope_names)
+from megatron.moe_patches.plan.graphs import (FULL_ITERATION, captures_whole_layers, full_iteration_blocker,
+                                              graph_blocker, graphs_dropless_moe, scope_names)
 from megatron.moe_patches.plan.padding import choose_padding, fused_permute_pad_blocker, static_padding_blocker
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size, precision_of
 
@@ -93,7 +93,8 @@ class MoEPlan:
     # the TE backend hands TE's GroupedLinear the device counts too (m_splits_tensor, F8)
     te_device_splits: bool = False
     graph_unit: str = "MoE layer"  # what F11 captures: the MoE layer, or the transformer layer whole
-    full_iteration_blocker: Optional[str] = None  # why megatron-core's full_iteration graph cannot hold it
+    full_iteration: bool = False  # the config asks for megatron-core's graph of the whole iteration
+    full_iteration_blocker: Optional[str] = None  # why that graph cannot hold the MoE layers
 
     @property
     def backend_refusals(self) -> Tuple[Tuple[str, str], ...]:
@@ -122,6 +123,10 @@ class MoEPlan:
                                              else f"no: {self.single_grouped_refusal}"),
             f"weight gradients into main_grad in the GEMM: {'yes' if self.wgrad_into_main_grad else 'no'}",
         ]
+        if self.full_iteration:
+            said.append("CUDA graph of the whole iteration: " + ("can hold the MoE layers"
+                                                                if self.full_iteration_blocker is None
+                                                                else f"no: {self.full_iteration_blocker}"))
         if self.te_device_splits:
             said.append("TE's GroupedLinear takes the device token counts")
         return tuple(said) + tuple(f"note: {line}" for _, line in self.notes)
@@ -169,6 +174,7 @@ def make_plan(config) -> MoEPlan:
         wgrad_into_main_grad=wgrad_fused,
         te_device_splits=te_device_splits(config, backend),
         graph_unit="transformer layer" if captures_whole_layers(config) else "MoE layer",
+        full_iteration=config.cuda_graph_impl == "local" and FULL_ITERATION in scope_names(config.cuda_graph_scope),
         full_iteration_blocker=full_iteration_blocker(config, backend, blockers, exchange),
     )
 
