@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 from megatron.moe_patches import apply, revert  # noqa: E402
 from megatron.moe_patches.plan import graphs_dropless_moe  # noqa: E402
-from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs  # noqa: E402
+from megatron.moe_patches.graphs.layer_graphs import LayerGraphs  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
     SHAPES,
     build_moe_layer,

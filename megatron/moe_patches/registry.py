@@ -13,7 +13,7 @@ experts class; F4, F5, F8 and F10 are backends under ``experts/`` and options, s
 F3 and bind nothing of their own), ``dispatch.hybridep_blocks`` (F2), ``checkpoint.grouped_keys``
 (F6) and ``checkpoint.optimizer_state`` (F7). ``plan.plan_for(config)`` decides once per config
 which backend runs, who pads, which exchange the dispatchers use and whether the layer can be
-graphed. F11 captures the sync-free MoE layer in CUDA graphs (``graphs.moe_layer_graphs``)
+graphed. F11 captures the sync-free MoE layer in CUDA graphs (``graphs.layer_graphs``)
 behind megatron-core's graph entry points (the TE graph helper, the layers' graph-manager
 factory and ``create_cudagraphs``). F12 is an exchange of the alltoall dispatcher
 (``dispatch.exchanges``, ``dispatch.symmetric_exchange``).
@@ -108,7 +108,7 @@ _PICKS_DISPATCHER = ("MoELayer.__init__ picks its dispatcher class by this name;
 _SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
 _EXPERTS_SPEC = ("the experts' layer spec: TESpecProvider.grouped_mlp_modules, which every GPT/Mamba MoE spec asks "
                  "for the experts, returns the class of this name")
-_GRAPH_ENTRY = "megatron.moe_patches.graphs.moe_layer_graphs:"
+_GRAPH_ENTRY = "megatron.moe_patches.graphs.layer_graphs:"
 _LAYERS = "megatron.core.tensor_parallel.layers"
 _MAIN_GRAD = "megatron.moe_patches.kernels.main_grad_accumulation:"
 
@@ -362,7 +362,7 @@ SERIES: Tuple[Feature, ...] = (
         test="tests/unit/test_moe_cuda_graph.py, tests/unit/test_moe_graph_entry_points.py, "
         "tests/gpu/test_moe_cuda_graph.py, tests/gpu/test_symmetric_exchange.py, tests/gpu/test_megatron_lm_client.py, "
         "tests/gpu/test_layer_and_iteration_graphs.py",
-        module="megatron.moe_patches.graphs.moe_layer_graphs",
+        module="megatron.moe_patches.graphs.layer_graphs",
         bindings=(
             Binding("megatron.core.transformer.cuda_graphs", "TECudaGraphHelper", _GRAPH_ENTRY + "DroplessMoEGraphHelper",
                     "--cuda-graph-impl transformer_engine: Megatron-LM's training loop builds its graph helper by "

@@ -27,7 +27,7 @@ def main(out_path):
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.moe_patches import apply
     from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
-    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
+    from megatron.moe_patches.graphs.layer_graphs import LayerGraphs
     from megatron.moe_patches.testing.layer_harness import build_moe_layer, fp8_context
 
     apply()

@@ -97,7 +97,7 @@ def _main_grads(fusion, grouped_weight, graphs=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.config import PatchedTransformerConfig
-    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
+    from megatron.moe_patches.graphs.layer_graphs import LayerGraphs
     from megatron.moe_patches.testing.layer_harness import init_single_gpu
 
     from gpu_checks import small_moe_kwargs

@@ -42,7 +42,7 @@ def worker(case, out_path):
     import torch
 
     from megatron.moe_patches import apply
-    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
+    from megatron.moe_patches.graphs.layer_graphs import LayerGraphs
     from megatron.moe_patches.testing.layer_harness import build_moe_layer, fp8_context, init_single_gpu
 
     sys.path.insert(0, str(HERE))

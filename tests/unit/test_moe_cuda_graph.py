@@ -114,7 +114,7 @@ def test_a_replay_lets_the_backend_refresh_its_weight_copies_first(monkeypatch):
     """Wiring: the host work a graph leaves (FP8 weight copies after an optimizer step) runs
     before the forward graph replays, on the same stream (the replay reads its result), and
     the call's inputs (hidden states, keyword tensors of a whole layer) are copied in first."""
-    from megatron.moe_patches.graphs.moe_layer_graphs import _Captured, _Replay
+    from megatron.moe_patches.graphs.layer_graphs import _Captured, _Replay
 
     calls = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: calls.append("replay")))
@@ -246,7 +246,7 @@ class _EagerLayer(torch.nn.Module):
 
 
 def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
-    from megatron.moe_patches.graphs import moe_layer_graphs as moe_cuda_graph
+    from megatron.moe_patches.graphs import layer_graphs as moe_cuda_graph
 
     replays = []
     monkeypatch.setattr(moe_cuda_graph._Replay, "apply",
@@ -273,7 +273,7 @@ def test_graphed_forward_replays_only_the_captured_call(monkeypatch):
 
 
 def test_capture_refuses_a_layer_the_table_refuses_before_any_gpu_work():
-    from megatron.moe_patches.graphs.moe_layer_graphs import LayerGraphs
+    from megatron.moe_patches.graphs.layer_graphs import LayerGraphs
 
     layer = _EagerLayer()
     layer.config = config(cuda_graph_impl="none", moe_token_dispatcher_type="flex")
@@ -454,7 +454,7 @@ def test_aliases_carry_what_fused_wgrad_modules_read_off_their_weights(monkeypat
     grad_added_to_main_grad only where the weight has that attribute; the aliases the capture
     differentiates must have it (and main_grad, zero_out_wgrad) as the parameters do, or those
     parameters get no gradient and DDP's overlapped reduction never counts them."""
-    from megatron.moe_patches.graphs.moe_layer_graphs import _Captured
+    from megatron.moe_patches.graphs.layer_graphs import _Captured
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
     layer = torch.nn.Linear(4, 4)
@@ -474,7 +474,7 @@ def test_a_parameter_outside_ddp_keeps_its_own_gradient_across_replays(monkeypat
     """Each backward replay writes the graph's gradient buffers again: a parameter without
     Megatron DDP's main_grad must get a copy, or its accumulated .grad is overwritten (two
     micro-batches with gradients 1 and 5 summed to 10 instead of 6)."""
-    from megatron.moe_patches.graphs.moe_layer_graphs import _Replay
+    from megatron.moe_patches.graphs.layer_graphs import _Replay
 
     weight = torch.nn.Parameter(torch.zeros(3))
     static_grad = torch.zeros(3)
@@ -491,7 +491,7 @@ def test_a_parameter_outside_ddp_keeps_its_own_gradient_across_replays(monkeypat
 
 
 def test_a_keyword_tensor_that_needs_a_gradient_runs_the_layer_eagerly():
-    from megatron.moe_patches.graphs.moe_layer_graphs import graphable_kwargs
+    from megatron.moe_patches.graphs.layer_graphs import graphable_kwargs
 
     rope = torch.zeros(4)
     assert graphable_kwargs((), {"rotary_pos_emb": rope, "attention_mask": None}) == {"rotary_pos_emb": rope}

@@ -15,7 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches.graphs import moe_layer_graphs as moe_cuda_graph
+from megatron.moe_patches.graphs import layer_graphs as moe_cuda_graph
 from megatron.moe_patches.config import PatchedTransformerConfig
 
 BASE = dict(

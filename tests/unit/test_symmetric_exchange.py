@@ -202,7 +202,7 @@ def test_dispatcher_sends_tokens_unpermuted_and_never_asks_the_host(moe_config):
 
 
 def test_pretrain_names_the_exchange_the_moe_layers_run(monkeypatch):
-    from megatron.moe_patches.graphs import moe_layer_graphs as moe_cuda_graph
+    from megatron.moe_patches.graphs import layer_graphs as moe_cuda_graph
     from megatron.moe_patches.dispatch.exchanges import NcclAllToAll, SymmetricMemoryAllToAll
     from megatron.moe_patches.driver.training import describe_moe_layers
 

@@ -464,7 +464,7 @@ def setup(args: argparse.Namespace):
 def describe_moe_layers(gpt) -> str:
     """One line: what the MoE layers run (expert backend, expert-parallel exchange), or ''."""
     from megatron.moe_patches.dispatch.exchanges import SymmetricMemoryAllToAll
-    from megatron.moe_patches.graphs.moe_layer_graphs import moe_layers
+    from megatron.moe_patches.graphs.layer_graphs import moe_layers
 
     layers = moe_layers(gpt)
     if not layers:
@@ -534,7 +534,7 @@ def pretrain(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.moe_patches.graphs.moe_layer_graphs import active_captures
+    from megatron.moe_patches.graphs.layer_graphs import active_captures
 
     gpt, model, optimizer, scheduler = setup(args)
     iteration, saved = 0, {}

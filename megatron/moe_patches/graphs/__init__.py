@@ -1,2 +1,2 @@
-"""CUDA graphs of the dropless MoE layer and their install behind megatron-core's graph entry
-points."""
+"""CUDA graphs of the dropless MoE layer (alone, or each transformer layer whole) and their
+install behind megatron-core's graph entry points."""

@@ -1,7 +1,7 @@
 """Whether a config's MoE layer can be captured as one CUDA graph, and why not (F11).
 
 megatron-core 0.16.1 graphs only drop-and-pad MoE layers; F11 graphs dropless ones
-(``graphs/moe_layer_graphs.py``) where the config asks for it (``graphs_dropless_moe``): each
+(``graphs/layer_graphs.py``) where the config asks for it (``graphs_dropless_moe``): each
 MoE layer (``--cuda-graph-scope moe``) or each transformer layer whole, attention and MoE in
 one graph (no scope, or ``attn moe``; ``captures_whole_layers``). A graph replays fixed shapes
 and addresses without the host, so the layer must keep its token counts on the device,
