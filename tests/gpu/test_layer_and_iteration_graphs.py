@@ -6,7 +6,8 @@ gradient-accumulation fusion (F13) and the sync-free MoE layer:
   --cuda-graph-impl local and transformer_engine: every layer captured (the count the patch set
   prints), and the losses equal the eager run's at every iteration;
 - --cuda-graph-scope full_iteration (megatron-core's capture of every micro-batch's forward and
-  backward as one graph): captured, and the losses equal the eager run's.
+  backward as one graph): captured, and the losses equal the eager run's;
+- whole layers under --overlap-grad-reduce (DDP counts every gradient of a replayed layer).
 
 Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout (the driver's runs
 need it too: they are compared with the same eager losses)."""
@@ -61,6 +62,20 @@ def eager_losses(loop):
 def test_more_of_the_step_in_graphs_equals_eager(loop, scope):
     eager = eager_losses(loop)
     graphed, output = run(loop, *FAST, *NO_NAN_CHECK, *SCOPES[scope])
+    check_graphed(scope, eager, graphed, output, loop)
+
+
+@pytest.mark.parametrize("loop", ["megatron-lm", "driver"])
+def test_whole_layers_with_overlapped_gradient_reduction_equal_eager(loop):
+    """DDP's overlapped reduction counts every parameter's gradient (it asserts one arrives):
+    the fused-wgrad linears inside a replayed layer hand it a placeholder, as in eager runs."""
+    overlap = ["--overlap-grad-reduce"]
+    eager, _ = run(loop, *FAST, *NO_NAN_CHECK, *overlap)
+    graphed, output = run(loop, *FAST, *NO_NAN_CHECK, *overlap, *SCOPES["whole-layer-te"])
+    check_graphed("whole-layer-te", eager, graphed, output, loop)
+
+
+def check_graphed(scope, eager, graphed, output, loop):
     print(f"{loop} {scope}: eager {eager}\ngraphed {graphed}\ncaptured {whole_layers_captured(output)}")
     if scope == "full-iteration":
         assert ("Capture CUDA graph for training" in output  # megatron-core's log line (Megatron-LM's loop)
