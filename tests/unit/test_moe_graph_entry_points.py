@@ -24,6 +24,7 @@ BASE = dict(
     moe_permute_fusion=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
     add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, moe_device_tokens_per_expert=True,
     cuda_graph_impl="transformer_engine", cuda_graph_scope="moe", cuda_graph_warmup_steps=2,
+    attention_dropout=0.0, hidden_dropout=0.0,
 )
 
 
@@ -224,7 +225,8 @@ def test_fp8_in_the_whole_layer_is_named():
     from megatron.moe_patches.plan.graphs import _whole_layer_blocker
 
     fp8 = types.SimpleNamespace(fp8="e4m3", recompute_granularity=None, context_parallel_size=1,
-                                cuda_graph_impl="local", cuda_graph_warmup_steps=1)
+                                cuda_graph_impl="local", cuda_graph_warmup_steps=1, attention_dropout=0.0,
+                                hidden_dropout=0.0)
     assert "FP8 (or FP4) in the attention" in _whole_layer_blocker(fp8)
     assert "FP8 (or FP4) in the attention" in _whole_layer_blocker(types.SimpleNamespace(**{**vars(fp8), "fp8": None,
                                                                                           "fp4": "e2m1"}))
@@ -232,6 +234,8 @@ def test_fp8_in_the_whole_layer_is_named():
 
 
 @pytest.mark.parametrize("overrides, named", [
+    (dict(attention_dropout=0.1), "dropout inside the captured layer"),
+    (dict(hidden_dropout=0.1), "dropout inside the captured layer"),
     (dict(recompute_granularity="selective", recompute_modules=["core_attn"]), "recompute inside the captured"),
     (dict(cuda_graph_warmup_steps=0), "--cuda-graph-warmup-steps 0"),
 ])

@@ -188,7 +188,6 @@ class LayerGraphs:
         self.layers = list(layers)
         context = context or contextlib.nullcontext
         self.captured = [_Captured(layer, sample_TBH, sample_kwargs or {}) for layer in self.layers]
-        generators = _graph_safe_generators()
         # Warm-up and capture run the layers: their buffers (e.g. the router's token counts
         # for expert-bias balancing) must not keep what those runs added.
         buffers = [{n: b.clone() for n, b in layer.named_buffers()} for layer in self.layers]
@@ -213,10 +212,6 @@ class LayerGraphs:
             # thread_local: other threads (NCCL's watchdog, with data parallelism) may query
             # their events while this one captures.
             capture = dict(pool=pool, stream=stream, capture_error_mode="thread_local")
-            for c in self.captured:
-                for graph in (c.fwd_graph, c.bwd_graph):
-                    for generator in generators:  # dropout inside: each replay draws new numbers
-                        graph.register_generator_state(generator)
             for c in self.captured:
                 c.static_grad_out.zero_()
                 with torch.cuda.graph(c.fwd_graph, **capture), context():
@@ -285,17 +280,6 @@ def _graphed_forward(layer, captured: _Captured):
         return _Replay.apply(captured, hidden_states, tensors, *captured.params), None
 
     return forward
-
-
-def _graph_safe_generators() -> List[torch.Generator]:
-    """The RNG tracker's generators where the loop made them graph-safe (Megatron-LM does with
-    CUDA graphs on; the states are then generators, not saved byte tensors): a captured layer's
-    dropout draws new numbers at every replay."""
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    if not getattr(mcore_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
-        return []
-    return [state for state in mcore_random.get_all_rng_states().values() if isinstance(state, torch.Generator)]
 
 
 def _run_submodule_pre_hooks(layer):

@@ -123,6 +123,9 @@ def _whole_layer_blocker(config) -> Optional[str]:
     if config.fp8 or getattr(config, "fp4", None):
         return ("FP8 (or FP4) in the attention's Transformer Engine layers keeps TE's state, which this capture "
                 "does not manage (it refreshes the experts' FP8 weights only): use --cuda-graph-scope moe")
+    if config.attention_dropout or config.hidden_dropout:
+        return ("dropout inside the captured layer (--attention-dropout, --hidden-dropout): that its random "
+                "numbers are new at every replay is not verified yet; set both to 0, or use --cuda-graph-scope moe")
     if config.recompute_granularity is not None:
         return "recompute inside the captured layer (--recompute-granularity): use --cuda-graph-scope moe"
     if config.context_parallel_size > 1:
