@@ -204,15 +204,15 @@ def _training_graphs_at_ep(args: argparse.Namespace):
     """Megatron-LM asserts --moe-pad-experts-for-cuda-graph-inference for local CUDA graphs at
     EP > 1: a flag of inference's text generation (its routers sync with the host) that
     training never reads. The patch set's dropless MoE graphs (scope ``moe``, the whole layer, the
-    whole iteration) are judged by its own rule once Megatron-LM's checks pass (``plan.graphs.graph_blocker``: sync-free counts,
-    the symmetric exchange), so Megatron-LM's check sees the flag set and the user's value comes
-    back after it."""
-    from megatron.moe_patches.plan.graphs import scope_names
+    whole iteration: ``plan.graphs.holds_moe_layers``) are judged by its own rules once
+    Megatron-LM's checks pass (sync-free counts, the symmetric exchange), so Megatron-LM's check
+    sees the flag set and the user's value comes back after it."""
+    from megatron.moe_patches.plan.graphs import holds_moe_layers, scope_names
 
     lifted = (getattr(args, "cuda_graph_impl", "none") == "local"
               and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1
               and getattr(args, "num_experts", None)
-              and _graphs_take_in_moe(scope_names(getattr(args, "cuda_graph_scope", None)))
+              and holds_moe_layers(scope_names(getattr(args, "cuda_graph_scope", None)))
               and not getattr(args, "moe_pad_experts_for_cuda_graph_inference", False))
     if lifted:
         args.moe_pad_experts_for_cuda_graph_inference = True
@@ -221,11 +221,6 @@ def _training_graphs_at_ep(args: argparse.Namespace):
     finally:
         if lifted:
             args.moe_pad_experts_for_cuda_graph_inference = False
-
-
-def _graphs_take_in_moe(names) -> bool:
-    """The moe scope, the whole layer (no scope), or the whole iteration."""
-    return "moe" in names or not names or "full_iteration" in names
 
 
 def check_config_before_start(args: argparse.Namespace) -> None:

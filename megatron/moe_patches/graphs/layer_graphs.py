@@ -25,7 +25,7 @@ the gradients of fresh aliases of the parameters (same storage, created on the c
 stream) and hands them to the real parameters outside the graph, where DDP's hooks see
 them as usual.
 
-Every training loop reaches the one capture (``capture_moe_layers``) through megatron-core's
+Every training loop reaches the one capture (``capture_layers``) through megatron-core's
 own graph entry points, which ``apply()`` installs (the registry lists the bindings):
 
 - ``--cuda-graph-impl transformer_engine``: the loop builds megatron-core's
@@ -313,7 +313,7 @@ def _modules_of(model, kind) -> List[torch.nn.Module]:
 
 # --- the capture in any training loop ------------------------------------------------------
 
-_captures: List[LayerGraphs] = []  # installed by capture_moe_layers, oldest first
+_captures: List[LayerGraphs] = []  # installed by capture_layers, oldest first
 
 
 def active_captures() -> List[LayerGraphs]:
@@ -368,7 +368,7 @@ def capture_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, w
 
 
 def release(graphs: LayerGraphs) -> None:
-    """Undo ``capture_moe_layers``: the layers run eagerly again and the graphs can be freed."""
+    """Undo ``capture_layers``: the layers run eagerly again and the graphs can be freed."""
     graphs.uninstall()
     if graphs in _captures:
         _captures.remove(graphs)

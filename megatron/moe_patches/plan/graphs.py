@@ -41,6 +41,12 @@ def graphs_dropless_moe(config) -> bool:
     return _dropless_moe_graphs(config) and ("moe" in names or not names)
 
 
+def holds_moe_layers(names: List[str]) -> bool:
+    """Whether graphs of these scopes hold the MoE layers: the moe scope, the whole layer (no
+    scope) or the whole iteration."""
+    return "moe" in names or not names or FULL_ITERATION in names
+
+
 def captures_whole_layers(config) -> bool:
     """Whether F11 captures each transformer layer whole (attention and MoE in one graph)."""
     return graphs_dropless_moe(config) and frozenset(scope_names(config.cuda_graph_scope)) in WHOLE_LAYER_SCOPES
