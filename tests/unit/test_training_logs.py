@@ -102,3 +102,28 @@ def test_tensorboard_dir_needs_tensorboard(monkeypatch, tmp_path, refused):
 @pytest.mark.parametrize("level", ["2", "x"])
 def test_timing_level_choices(level, refused):
     assert "--timing-log-level" in refused([*REQUIRED, "--timing-log-level", level])
+
+
+def flops_args(**overrides):
+    values = dict(hidden_size=64, seq_length=16, num_layers=2, num_attention_heads=4, kv_channels=32,
+                  group_query_attention=True, num_query_groups=2, swiglu=True, num_experts=8, moe_ffn_hidden_size=48,
+                  ffn_hidden_size=256, moe_router_topk=2, moe_shared_expert_intermediate_size=None, vocab_size=100,
+                  tensor_model_parallel_size=1)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+@pytest.mark.parametrize("overrides, per_layer", [
+    # Q 128 wide, K and V 64 each (2 groups of 32): 64*(128+128) + 128*64 + 128*16 = 26624 in attention;
+    # 8 of 8 experts' SwiGLU, top-2 of 48: 64*3*96 = 18432
+    ({}, 26624 + 18432),
+    # a shared expert of 32 adds 64*3*32 = 6144
+    ({"moe_shared_expert_intermediate_size": 32}, 26624 + 18432 + 6144),
+    # multi-head: K and V 128 each: 64*(128+256) + 8192 + 2048 = 34816; dense GELU MLP 2*64*256 = 32768
+    ({"group_query_attention": False, "num_experts": None, "swiglu": False}, 34816 + 32768),
+])
+def test_flops_per_token_as_megatron_lm_counts_them(overrides, per_layer):
+    """Megatron-LM's num_floating_point_operations divided by the tokens, worked by hand: the
+    query is kv_channels x heads wide (not the hidden size), causal attention counts half the
+    scores, the router is not counted; the vocabulary (100) pads to 128: 64*128 = 8192."""
+    assert training.model_flops_per_token(flops_args(**overrides)) == 6 * (2 * per_layer + 8192)

@@ -252,19 +252,23 @@ def check_loss_finite(loss) -> None:
 
 
 def model_flops_per_token(args) -> float:
-    """Forward+backward FLOPs per token (GEMMs and attention; 3x the forward)."""
+    """Forward and backward FLOPs per token as Megatron-LM's TFLOP/s counts them: each GEMM three
+    times (forward, data and weight gradients); the projections sized by --kv-channels, causal
+    attention as half of the scores; routed experts x top-k plus shared experts; the router and
+    the norms left out."""
     h, s = args.hidden_size, args.seq_length
-    kv = (args.num_query_groups or args.num_attention_heads) / args.num_attention_heads
-    attention = 2 * h * h * (2 + 2 * kv) + 2 * 2 * s * h  # QKV + proj, scores + values
+    head = args.kv_channels or h // args.num_attention_heads
+    q = head * args.num_attention_heads
+    kv = head * (args.num_query_groups if args.group_query_attention else args.num_attention_heads)
+    # one token's multiply-adds in a layer: Q, K and V, the output projection, Q.K and P.V (causal half)
+    attention = h * (q + 2 * kv) + q * h + q * s
     glu = 3 if args.swiglu else 2
     if args.num_experts:
-        moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        mlp = 2 * h * moe_ffn * glu * args.moe_router_topk + 2 * h * args.num_experts
-        if args.moe_shared_expert_intermediate_size:
-            mlp += 2 * h * args.moe_shared_expert_intermediate_size * glu
+        ffn = (args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
+        ffn += args.moe_shared_expert_intermediate_size or 0
     else:
-        mlp = 2 * h * args.ffn_hidden_size * glu
-    return 3.0 * (args.num_layers * (attention + mlp) + 2 * h * padded_vocab_size(args))
+        ffn = args.ffn_hidden_size
+    return 2 * 3.0 * (args.num_layers * (attention + h * ffn * glu) + h * padded_vocab_size(args))
 
 
 def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_allocated, mem_max_allocated,
