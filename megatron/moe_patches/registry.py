@@ -42,20 +42,25 @@ class Binding:
     absent_in_stock: bool = False  # megatron-core leaves the name undefined here; revert() deletes it
 
 
+def _never_upstream() -> bool:
+    """For features this project adds: no megatron-core release ships them."""
+    return False
+
+
 @dataclass(frozen=True)
 class Feature:
     id: str
     title: str
     changes: str
-    fields: Tuple[str, ...]
     upstream: Tuple[str, ...]
     te_requirement: str
-    te_probe: Optional[Callable[[], bool]]
-    native: Callable[[], bool]
     page: str
     test: str  # comma-separated paths under tests/
     module: str
-    bindings: Tuple[Binding, ...]
+    native: Callable[[], bool] = _never_upstream
+    fields: Tuple[str, ...] = ()
+    te_probe: Optional[Callable[[], bool]] = None
+    bindings: Tuple[Binding, ...] = ()
     requires: Tuple[str, ...] = ("C0",)
     # megatron-core's methods the feature's code calls or overrides by name ("pkg.module:Class.name"):
     # where one is missing (renamed upstream), an override would silently stop applying, so
@@ -121,7 +126,6 @@ SERIES: Tuple[Feature, ...] = (
         fields=_PATCH_FIELDS,
         upstream=("NVIDIA/Megatron-LM#4636", "NVIDIA/Megatron-LM#4073", "ROCm/Megatron-LM (seed 004)"),
         te_requirement="none",
-        te_probe=None,
         native=lambda: cap.mcore_has_fields(*_PATCH_FIELDS),
         page="patches/C0-config-fields.md",
         test="tests/unit/test_config.py, tests/gpu/test_foundation.py, tests/unit/test_upstream_native.py",
@@ -134,7 +138,6 @@ SERIES: Tuple[Feature, ...] = (
         title="Fused permute+pad / unpermute+unpad",
         changes="Dispatchers permute straight into the quantization-aligned expert layout with TE's "
         "moe_permute_and_pad_with_probs and restore with moe_unpermute(pad_offsets=...).",
-        fields=(),
         upstream=("NVIDIA/Megatron-LM#2763", "NVIDIA/TransformerEngine#1921"),
         te_requirement="moe_permute_and_pad_with_probs and moe_unpermute(pad_offsets=)",
         te_probe=cap.te_fused_permute_pad,
@@ -173,7 +176,6 @@ SERIES: Tuple[Feature, ...] = (
         upstream=("NVIDIA/Megatron-LM#4073", "NVIDIA/Megatron-LM#4089"),
         te_requirement="none (deep_ep HybridEPBuffer(num_blocks_permute=...), "
         "dispatch_with_permute(fuse_permute_dispatch=...))",
-        te_probe=None,
         native=lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute", "moe_permute_fusion_into_hybridep"),
         page="patches/F2-hybridep-blocks.md",
         test="tests/unit/test_hybridep_blocks.py",
@@ -190,10 +192,8 @@ SERIES: Tuple[Feature, ...] = (
         changes="The plan decides once per config who pads the routed tokens (plan_for(config).padding): "
         "the one experts class skips its own quantization padding when the router or the dispatcher "
         "already padded on device.",
-        fields=(),
         upstream=("NVIDIA/Megatron-LM#4071", "NVIDIA/Megatron-LM#4636"),
         te_requirement="none",
-        te_probe=None,
         native=lambda: cap.mcore_attr("transformer.moe.moe_utils", "skip_routed_expert_padding")
         is not None,
         page="patches/F3-skip-routed-padding.md",
@@ -226,7 +226,6 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F4-op-fuser-grouped-mlp.md",
         test="tests/gpu/test_op_fuser_grouped_mlp.py, tests/unit/test_op_fuser_grouped_mlp.py",
         module="megatron.moe_patches.experts.op_fuser",
-        bindings=(),
         requires=("C0", "F3"),
     ),
     Feature(
@@ -238,13 +237,11 @@ SERIES: Tuple[Feature, ...] = (
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4219"),
         te_requirement="none with the grouped_mm backend (the op fuser's grouped-tensor path needs "
         "cuBLASLt >= 13.4 on Hopper and is refused)",
-        te_probe=None,
         native=lambda: cap.mcore_has_fields("moe_single_grouped_weight", "moe_single_grouped_bias"),
         page="patches/F5-single-grouped-params.md",
         test="tests/unit/test_single_grouped_params.py, tests/gpu/test_device_splits.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py",
         module="megatron.moe_patches.experts.grouped_params",
-        bindings=(),
         requires=("C0", "F3", "F6"),
     ),
     Feature(
@@ -252,10 +249,8 @@ SERIES: Tuple[Feature, ...] = (
         title="Grouped checkpoint compatibility",
         changes="load_state_dict pre-hook converting weight0..N-1 <-> grouped weight; sharded "
         "checkpoints keep per-expert keys.",
-        fields=(),
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4636"),
         te_requirement="none beyond F5",
-        te_probe=None,
         native=_f6_native,
         page="patches/F6-grouped-checkpoint-keys.md",
         test="tests/unit/test_grouped_checkpoint_keys.py, tests/unit/test_checkpoint_coverage.py, "
@@ -276,10 +271,8 @@ SERIES: Tuple[Feature, ...] = (
         "main params reload from a state dict in either layout; the distributed optimizer records "
         "its expert layout beside its bucket-format (dp_reshardable) states and refuses a load into "
         "another layout by name.",
-        fields=(),
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4324"),
         te_requirement="none beyond F5",
-        te_probe=None,
         native=lambda: cap.mcore_attr(
             "optimizer.distrib_optimizer", "DistributedOptimizer._is_grouped_quantized_tensor"
         )
@@ -311,7 +304,6 @@ SERIES: Tuple[Feature, ...] = (
         page="patches/F8-device-tokens-per-expert.md",
         test="tests/gpu/test_device_splits.py, tests/gpu/test_weighted_glu.py, tests/unit/test_expert_backends.py",
         module="megatron.moe_patches.experts.grouped_mm",
-        bindings=(),
         requires=("C0", "F3"),
     ),
     Feature(
@@ -328,17 +320,13 @@ SERIES: Tuple[Feature, ...] = (
         "(dispatch/permute_pad.py StaticPaddedPermute, one rank); with --no-fp8-wgrad the permute and the "
         "unpermute's backward (kernels/permute_quantize.py) and the weighted GLU (kernels/weighted_glu.py) write "
         "the GEMMs' 1x128 FP8 rows beside the bf16 ones.",
-        fields=(),
         upstream=("none: this project's backend (the FP8 counterpart of F8's grouped_mm)",),
         te_requirement="none (torch._scaled_grouped_mm on sm90, Triton); blockwise on DeepGEMM: TE's permute "
         "kernel with pad offsets (TE >= 2.14)",
-        te_probe=None,
-        native=lambda: False,
         page="patches/F10-fp8-grouped-mm.md",
         test="tests/unit/test_fp8_grouped_mm.py, tests/unit/test_fp8_blockwise.py, tests/unit/test_aligned_groups.py, "
         "tests/gpu/test_fp8_grouped_mm.py, tests/gpu/test_fp8_blockwise.py",
         module="megatron.moe_patches.experts.fp8_grouped_mm",
-        bindings=(),
         requires=("C0", "F3", "F8"),
     ),
     Feature(
@@ -353,11 +341,8 @@ SERIES: Tuple[Feature, ...] = (
         "(TECudaGraphHelper for --cuda-graph-impl transformer_engine; the layers' "
         "create_mcore_cudagraph_manager and create_cudagraphs() for local), so Megatron-LM's "
         "training loop and this package's driver capture the same way.",
-        fields=(),
         upstream=("NVIDIA/Megatron-LM#4071 (seed 002)", "NVIDIA/Megatron-LM#2690 (paged stashing, named by seed 002)"),
         te_requirement="none (torch CUDA graphs; the sync-free path of F8/F10)",
-        te_probe=None,
-        native=lambda: False,
         page="patches/F11-moe-cuda-graph.md",
         test="tests/unit/test_moe_cuda_graph.py, tests/unit/test_moe_graph_entry_points.py, "
         "tests/gpu/test_moe_cuda_graph.py, tests/gpu/test_symmetric_exchange.py, tests/gpu/test_megatron_lm_client.py, "
@@ -390,12 +375,9 @@ SERIES: Tuple[Feature, ...] = (
         upstream=("none: this project's exchange (megatron-core 0.16.1's alltoall dispatcher, "
                   "NCCL all_to_all_single with host split sizes, is what it replaces)",),
         te_requirement="none (torch symmetric memory, Triton; grouped_mm / fp8_grouped_mm experts)",
-        te_probe=None,
-        native=lambda: False,
         page="patches/F12-symmetric-exchange.md",
         test="tests/unit/test_symmetric_exchange.py, tests/gpu/test_symmetric_exchange.py",
         module="megatron.moe_patches.dispatch.symmetric_exchange",
-        bindings=(),
         requires=("C0", "F1", "F8"),
     ),
     Feature(
@@ -405,10 +387,8 @@ SERIES: Tuple[Feature, ...] = (
         "linear layers get the two wgrad-accumulate functions they take from APEX (torch addmm with an fp32 "
         "output into main_grad), and the grouped_mm experts add their weight gradients into main_grad in one "
         "Triton grouped GEMM (kernels/main_grad_accumulation.py); TE's modules keep their own fused path.",
-        fields=(),
         upstream=("none: APEX's fused_weight_gradient_mlp_cuda is what megatron-core 0.16.1 asks for",),
         te_requirement="none (cuBLAS through torch.addmm; Triton for the experts)",
-        te_probe=None,
         native=lambda: bool(cap.mcore_attr("tensor_parallel.layers", "_grad_accum_fusion_available")),
         page="patches/F13-wgrad-into-main-grad.md",
         test="tests/unit/test_main_grad_accumulation.py, tests/gpu/test_main_grad_accumulation.py, "
