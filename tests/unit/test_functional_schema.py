@@ -109,8 +109,9 @@ MiB = 2**20
 def log_line(step, loss, zeros=None, mem=300 * MiB, max_mem=412 * MiB, seconds=0.1234, train_iters=100):
     """An iteration line made by training._log_line itself, so parser and formatter cannot drift."""
     args = argparse.Namespace(global_batch_size=16, seq_length=256, train_iters=train_iters, hidden_size=256,
-                              num_attention_heads=4, num_query_groups=None, swiglu=True, num_experts=None,
-                              ffn_hidden_size=1024, num_layers=2, vocab_size=4096, tensor_model_parallel_size=1)
+                              num_attention_heads=4, num_query_groups=None, kv_channels=None,
+                              group_query_attention=False, swiglu=True, num_experts=None, ffn_hidden_size=1024,
+                              num_layers=2, vocab_size=4096, tensor_model_parallel_size=1)
     metrics = training.iteration_metrics(args, step, {"iteration": seconds}, 1e-3, loss, 0.5, 1, mem, max_mem,
                                          num_zeros=zeros)
     return training._log_line(args, step, metrics, started=0.0)
