@@ -3,7 +3,10 @@ Megatron-LM's names. The numbers come from the loop on a GPU; these tests check 
 arithmetic and the wiring on CPU."""
 
 import argparse
+import ast
+import os
 import types
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +130,42 @@ def test_flops_per_token_as_megatron_lm_counts_them(overrides, per_layer):
     query is kv_channels x heads wide (not the hidden size), causal attention counts half the
     scores, the router is not counted; the vocabulary (100) pads to 128: 64*128 = 8192."""
     assert training.model_flops_per_token(flops_args(**overrides)) == 6 * (2 * per_layer + 8192)
+
+
+MEGATRON_LM_TRAINING = Path(os.environ.get("MEGATRON_LM_PATH") or ".") / "megatron" / "training" / "training.py"
+
+
+def megatron_lms_count():
+    """Megatron-LM's own num_floating_point_operations, read from its training.py and run alone
+    (importing that module needs its GPU stack); the linear-attention variants are off here."""
+    tree = ast.parse(MEGATRON_LM_TRAINING.read_text())
+    function = next(node for node in tree.body
+                    if isinstance(node, ast.FunctionDef) and node.name == "num_floating_point_operations")
+    scope = {"is_linear_attention_variant": lambda variant: False}
+    exec(compile(ast.Module(body=[function], type_ignores=[]), str(MEGATRON_LM_TRAINING), "exec"), scope)
+    return scope["num_floating_point_operations"]
+
+
+@pytest.mark.skipif(not MEGATRON_LM_TRAINING.is_file(),
+                    reason="needs MEGATRON_LM_PATH naming a Megatron-LM core_v0.16.1 checkout")
+@pytest.mark.parametrize("flags", [
+    # the Qwen3-30B-A3B-shaped slice of benchmarks/moe_model.py
+    ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
+     "--num-query-groups", "4", "--kv-channels", "128", "--seq-length", "4096", "--max-position-embeddings", "4096",
+     "--swiglu", "--num-experts", "128", "--moe-ffn-hidden-size", "768", "--moe-router-topk", "8"],
+    # shared experts, multi-head attention, no --kv-channels
+    ["--num-experts", "8", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "1024", "--swiglu"],
+    # a dense GPT with GELU, a vocabulary that pads (32001 to 32128)
+    ["--vocab-size", "32001"],
+])
+def test_flops_per_token_equal_megatron_lms_count(flags):
+    args = parse_args(REQUIRED + flags)
+    megatron_lm_args = argparse.Namespace(**vars(args))
+    vars(megatron_lm_args).update(
+        is_hybrid_model=False, moe_layer_freq=1, mtp_num_layers=None, multi_latent_attention=False,
+        attention_output_gate=False, experimental_attention_variant=None,
+        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+        padded_vocab_size=-(-args.vocab_size // 128) * 128)  # Megatron-LM's padding to 128 x TP (1 here)
+    batch = 3
+    expected = megatron_lms_count()(megatron_lm_args, batch) / (batch * args.seq_length)
+    assert training.model_flops_per_token(args) == pytest.approx(expected, rel=1e-12)
