@@ -342,14 +342,13 @@ def _check_model_shape(args: argparse.Namespace, path: str) -> None:
 
 def _names_a_release(root: str) -> bool:
     """Whether the tracker under ``root`` names Megatron-LM's "release" checkpoint (read as
-    the driver reads trackers: at most its first bytes)."""
-    from megatron.moe_patches.checkpoint.on_disk import TRACKER, TRACKER_READ_LIMIT
+    the driver reads trackers)."""
+    from megatron.moe_patches.checkpoint import on_disk
 
     try:
-        with open(os.path.join(root, TRACKER), "rb") as tracker:
-            return tracker.read(TRACKER_READ_LIMIT + 1).strip() == b"release"
-    except OSError:
-        return False  # no tracker, or one find_checkpoint names the error of
+        return on_disk.tracker_text(root) == "release"
+    except on_disk.CheckpointError:
+        return False  # find_checkpoint names the error
 
 
 def _refuse(error: Exception) -> None:

@@ -7,6 +7,7 @@ Megatron-LM loads as it is (no checkpoint, a matching one, --no-load-optim, othe
 "release" trackers) passes."""
 
 import argparse
+import os
 import shutil
 
 import pytest
@@ -132,3 +133,15 @@ def test_a_load_that_plainly_holds_a_checkpoint_is_never_trained_over(tmp_path, 
     line = initialize(capsys, load=str(root))
     assert line.startswith(f"--load {root}: the checkpoint tracker {root / 'latest_checkpointed_iteration.txt'} "
                            "is a directory")
+
+
+def test_a_tracker_that_is_a_pipe_is_refused_without_reading_it(tmp_path, capsys, initialize):
+    """Megatron-LM's loop reads the tracker as the driver does: a named pipe is never opened (an
+    open would wait for a writer forever)."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.mkfifo(root / "latest_checkpointed_iteration.txt")
+    line = initialize(capsys, load=str(root))
+    assert line == (f"--load {root}: the checkpoint tracker {root / 'latest_checkpointed_iteration.txt'} is not a "
+                    "regular file: make it a file holding the iteration to resume from (e.g. 100 for iter_0000100), "
+                    "or point --load elsewhere")

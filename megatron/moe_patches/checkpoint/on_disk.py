@@ -44,11 +44,11 @@ def _os_error(err: OSError) -> str:
     return err.strerror or type(err).__name__
 
 
-def latest_iteration(root: str) -> Optional[int]:
-    """The iteration the tracker file under ``root`` names; None without a tracker. At most
-    ``TRACKER_READ_LIMIT`` bytes of it are read: a longer one is not an iteration number. A
-    tracker of that name that is no regular file (a directory, a pipe, a device) is never read
-    and is refused: a checkpoint was plainly meant, and training from scratch would hide it."""
+def tracker_text(root: str) -> Optional[str]:
+    """What the tracker file under ``root`` holds, stripped; None without a tracker. At most
+    ``TRACKER_READ_LIMIT`` bytes of it are read: a longer one is refused. A tracker of that
+    name that is no regular file (a directory, a pipe, a device) is never read and is refused:
+    a checkpoint was plainly meant, and training from scratch would hide it."""
     tracker = os.path.join(root, TRACKER)
     cannot_read = f"cannot read the checkpoint tracker {tracker}"
     fix = "give this user read access to it, or point --load elsewhere"
@@ -66,18 +66,29 @@ def latest_iteration(root: str) -> Optional[int]:
         return None
     except OSError as err:
         raise CheckpointError(f"{cannot_read}: {_os_error(err)}; {fix}") from None
-    not_a_number = ("not an iteration number: write the iteration of a saved checkpoint into it (e.g. 100 for "
-                    "iter_0000100) or point --load elsewhere")
     if len(head) > TRACKER_READ_LIMIT:
         start = head[:40].decode("utf-8", errors="replace")
         raise CheckpointError(f"the checkpoint tracker {tracker} holds {max(size, len(head))} bytes, starting "
-                              f"{start!r}, {not_a_number}")
+                              f"{start!r}, {NOT_AN_ITERATION}")
     try:
-        text = head.decode("utf-8").strip()
+        return head.decode("utf-8").strip()
     except UnicodeDecodeError as err:
         raise CheckpointError(f"{cannot_read}: {err}") from None
+
+
+NOT_AN_ITERATION = ("not an iteration number: write the iteration of a saved checkpoint into it (e.g. 100 for "
+                    "iter_0000100) or point --load elsewhere")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration the tracker file under ``root`` names (``tracker_text``); None without a
+    tracker."""
+    text = tracker_text(root)
+    if text is None:
+        return None
     if not re.fullmatch(r"[0-9]+", text):
-        raise CheckpointError(f"the checkpoint tracker {tracker} holds {text[:40]!r}, {not_a_number}")
+        raise CheckpointError(f"the checkpoint tracker {os.path.join(root, TRACKER)} holds {text[:40]!r}, "
+                              f"{NOT_AN_ITERATION}")
     return int(text)
 
 
