@@ -245,10 +245,9 @@ def full_iteration_refusal(args: argparse.Namespace) -> Optional[str]:
     --barrier-with-level-1-timing, wait in a barrier first), which a capture refuses (measured on
     an H200: "operation not permitted when stream is capturing"). The spiky-loss check reads each
     loss on the host inside it too."""
-    from megatron.moe_patches.plan.graphs import FULL_ITERATION, scope_names
+    from megatron.moe_patches.plan.graphs import asks_full_iteration
 
-    if (getattr(args, "cuda_graph_impl", "none") != "local"
-            or FULL_ITERATION not in scope_names(getattr(args, "cuda_graph_scope", None))):
+    if not asks_full_iteration(args):
         return None
     level = getattr(args, "timing_log_level", 0) or 0
     if level >= 1:

@@ -741,17 +741,11 @@ def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) ->
         if saved is not None:  # a checkpoint saved without args has no shape to compare
             _check_saved_types(saved, MODEL_SHAPE, path, "point --load at another checkpoint")
             _check_model_shape(args, saved, path)
-    if not getattr(args, "no_load_optim", False):
-        _check_optimizer_layout(args, path)
-    return path
-
-
-def _check_optimizer_layout(args: argparse.Namespace, path: str) -> None:
-    """The refusal the optimizer's load would raise after start-up (flat distributed-optimizer
-    states saved in another expert parameter layout), said before it."""
-    refusal = checkpointing.optimizer_layout_refusal(path, args)
+    # the refusal the optimizer's load would raise after start-up, said before it
+    refusal = None if getattr(args, "no_load_optim", False) else checkpointing.optimizer_layout_refusal(path, args)
     if refusal is not None:
         raise ValueError(refusal)
+    return path
 
 
 def _ffn_default(values: dict) -> Optional[int]:

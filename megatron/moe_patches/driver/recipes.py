@@ -255,7 +255,7 @@ def _unflagged_key(key: str, value, line: Optional[int]) -> RecipeError:
 
 
 def _settings(raw: Dict[str, Any], parser, lines, problems: List[RecipeError],
-              notes: Optional[List[RecipeError]] = None) -> List[Setting]:
+              notes: List[RecipeError]) -> List[Setting]:
     """Every key of the recipe, sections' keys included, with its dest and transformed value;
     null values and on/off flags set to false are left out (not set). A key that cannot be
     used is left out too, its error added to ``problems``; a key read and ignored, its note
@@ -282,7 +282,7 @@ def _settings(raw: Dict[str, Any], parser, lines, problems: List[RecipeError],
         try:
             if section is None and _dest(key) in UNFLAGGED_KEYS:
                 note = _unflagged_key(key, value, line)
-                if value is not None and notes is not None:
+                if value is not None:
                     notes.append(note)
                 continue
             dest, transform = _resolve(parser, section, key)

@@ -488,7 +488,9 @@ def whole_iteration_graph(forward_backward, args):
     """--cuda-graph-scope full_iteration: megatron-core's capture of every micro-batch's forward
     and backward as one graph (after --cuda-graph-warmup-steps steps), as Megatron-LM's loop
     wraps its training steps; evaluation runs eagerly."""
-    if args.cuda_graph_impl != "local" or "full_iteration" not in (args.cuda_graph_scope or []):
+    from megatron.moe_patches.plan.graphs import asks_full_iteration
+
+    if not asks_full_iteration(args):
         return forward_backward
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 

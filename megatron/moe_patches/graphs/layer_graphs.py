@@ -271,9 +271,8 @@ def _graphed_forward(layer, captured: _Captured):
     eager = type(layer).forward.__get__(layer)
 
     def forward(hidden_states, *args, **kwargs):
-        tensors = graphable_kwargs(args, kwargs)
-        if (tensors is None or not torch.is_grad_enabled() or not layer.training
-                or call_signature(hidden_states, tensors) != captured.signature):
+        tensors = None if not (torch.is_grad_enabled() and layer.training) else graphable_kwargs(args, kwargs)
+        if tensors is None or call_signature(hidden_states, tensors) != captured.signature:
             return eager(hidden_states, *args, **kwargs)  # a partial, masked or evaluation pass
         captured.replays += 1
         _run_submodule_pre_hooks(layer)

@@ -57,7 +57,7 @@ from megatron.moe_patches.plan.exchange import (
     choose_exchange,
     exchange_config_errors,
 )
-from megatron.moe_patches.plan.graphs import (FULL_ITERATION, captures_whole_layers, full_iteration_blocker,
+from megatron.moe_patches.plan.graphs import (asks_full_iteration, captures_whole_layers, full_iteration_blocker,
                                               graph_blocker, graphs_dropless_moe, scope_names)
 from megatron.moe_patches.plan.padding import choose_padding, fused_permute_pad_blocker, static_padding_blocker
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size, precision_of
@@ -174,7 +174,7 @@ def make_plan(config) -> MoEPlan:
         wgrad_into_main_grad=wgrad_fused,
         te_device_splits=te_device_splits(config, backend),
         graph_unit="transformer layer" if captures_whole_layers(config) else "MoE layer",
-        full_iteration=config.cuda_graph_impl == "local" and FULL_ITERATION in scope_names(config.cuda_graph_scope),
+        full_iteration=asks_full_iteration(config),
         full_iteration_blocker=full_iteration_blocker(config, backend, blockers, exchange),
     )
 

@@ -25,26 +25,28 @@ WHOLE_LAYER_SCOPES = (frozenset(), frozenset({"attn", "moe"}))
 FULL_ITERATION = "full_iteration"
 
 
-def _dropless_moe_graphs(config) -> bool:
-    return (
-        config.cuda_graph_impl in ("local", "transformer_engine")
-        and config.num_moe_experts is not None
-        and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
-    )
-
-
 def graphs_dropless_moe(config) -> bool:
     """Whether the config's CUDA graphs take in dropless MoE layers as F11 captures them: the
     ``moe`` scope, or the whole layer (no scope; megatron-core 0.16.1 graphs only drop-and-pad
     MoE layers)."""
     names = scope_names(config.cuda_graph_scope)
-    return _dropless_moe_graphs(config) and ("moe" in names or not names)
+    return (config.cuda_graph_impl in ("local", "transformer_engine")
+            and config.num_moe_experts is not None
+            and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
+            and ("moe" in names or not names))
 
 
 def holds_moe_layers(names: List[str]) -> bool:
     """Whether graphs of these scopes hold the MoE layers: the moe scope, the whole layer (no
     scope) or the whole iteration."""
     return "moe" in names or not names or FULL_ITERATION in names
+
+
+def asks_full_iteration(settings) -> bool:
+    """Whether a config or a run's args ask for megatron-core's whole-iteration graph
+    (``--cuda-graph-impl local --cuda-graph-scope full_iteration``)."""
+    return (getattr(settings, "cuda_graph_impl", "none") == "local"
+            and FULL_ITERATION in scope_names(getattr(settings, "cuda_graph_scope", None)))
 
 
 def captures_whole_layers(config) -> bool:
@@ -147,8 +149,7 @@ def full_iteration_blocker(config, backend, blockers, exchange: ExchangeChoice) 
     None (also where it is not asked for). The graph replays whole iterations, so only what
     waits for the host matters, not what a per-layer capture needs (pipeline stages, side
     streams and recompute are all inside the one graph)."""
-    if (config.num_moe_experts is None or config.cuda_graph_impl != "local"
-            or FULL_ITERATION not in scope_names(config.cuda_graph_scope)):
+    if config.num_moe_experts is None or not asks_full_iteration(config):
         return None
     reason = _host_sync_blocker(config, backend, blockers, exchange) or _host_counts_blocker(backend, blockers)
     if reason is not None:
