@@ -12,9 +12,11 @@ setup(
     python_requires=">=3.10",
     # `megatron` is a namespace shared with megatron-core: ship only our portion.
     # megatron/moe_patches/recipes/ (no __init__.py) is found as a namespace package and
-    # ships its YAML recipes as package data (`--yaml-cfg tiny-moe` finds them by name).
+    # ships its YAML recipes as package data (`--yaml-cfg tiny-moe` finds them by name);
+    # the driver's table of Megatron-LM's flags is a data file too.
     packages=find_namespace_packages(include=["megatron.moe_patches", "megatron.moe_patches.*"]),
-    package_data={"megatron.moe_patches.recipes": ["*.yaml"]},
+    package_data={"megatron.moe_patches.recipes": ["*.yaml"],
+                  "megatron.moe_patches.driver": ["megatron_lm_flags.jsonl"]},
     install_requires=[
         "megatron-core>=0.16.1,<0.17",
         "torch>=2.6",

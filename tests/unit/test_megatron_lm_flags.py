@@ -128,6 +128,35 @@ def test_every_supported_flag_is_the_drivers_own_with_megatron_lm_default():
     assert [row.name for row in supported_flags() if row.accepted != row.megatron_lm_default] == ["--log-throughput"]
 
 
+def test_the_table_file_reads_back_megatron_lms_special_values():
+    """megatron_lm_flags.jsonl's special values, as Megatron-LM 0.16.1 has them."""
+    import signal
+
+    assert BY_NAME["--exit-signal"].default is signal.SIGTERM
+    assert BY_NAME["--local-rank"].runs_as == megatron_lm_flags.FromEnv("LOCAL_RANK", 0)
+    assert BY_NAME["--tensorboard-log-interval"].runs_as is NOT_OFFERED
+    assert list(BY_NAME["--timing-log-level"].refused_values) == [2]  # a number, as argparse gives it
+    assert BY_NAME["--no-load-optim"].default is None and BY_NAME["--no-load-optim"].action == "store_true"
+    assert BY_NAME["--disable-bias-linear"].default is True and BY_NAME["--disable-bias-linear"].dest == "add_bias_linear"
+    assert BY_NAME["--norm-epsilon"].type is float and BY_NAME["--fp16"].refused == megatron_lm_flags.FP16
+
+
+@pytest.mark.parametrize("row, error", [
+    ('{"flag": "--x", "refused": "NO_SUCH_REASON"}', "no reason named NO_SUCH_REASON"),
+    ('{"flag": "--x", "refused": "_Marker"}', "no reason named _Marker"),
+    ('{"flag": "--x", "refuse": "FP16"}', "unknown fields ['refuse']"),
+    ('{"flag": "--x", "type": "complex"}', "complex"),
+    ('{"flag": "--x", "default": {"env": "RANK"}}', "unknown special value"),
+    ('{"flag": "--x"', "Expecting"),
+])
+def test_a_bad_row_of_the_table_file_is_an_error_naming_its_line(tmp_path, row, error):
+    table = tmp_path / "flags.jsonl"
+    table.write_text('{"flag": "--fine", "type": "int", "default": 1}\n' + row + "\n")
+    with pytest.raises(ValueError) as raised:
+        megatron_lm_flags._read_table(str(table))
+    assert str(raised.value).startswith(f"{table}:2: ") and error in str(raised.value)
+
+
 def test_the_flags_are_megatron_lms_only_once_each():
     names = [name for row in FLAGS for name in row.names]
     assert len(names) == len(set(names)) == len(BY_NAME)

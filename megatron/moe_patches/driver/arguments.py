@@ -479,7 +479,7 @@ def _build_parser(prog: str, names: bool = False) -> argparse.ArgumentParser:
         prog=prog,
         description="GPT/MoE pretraining on megatron-core with the MoE patch set applied.",
         epilog="Megatron-LM 0.16.1's other flags are read as Megatron-LM reads them; one that asks for what "
-        "this driver does not do is an error that says why (driver/megatron_lm_flags.py lists them all).",
+        "this driver does not do is an error that says why (driver/megatron_lm_flags.jsonl lists them all).",
         formatter_class=DriverHelpFormatter,
         allow_abbrev=False,
     )

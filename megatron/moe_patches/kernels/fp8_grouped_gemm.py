@@ -49,6 +49,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from megatron.moe_patches.kernels import gemm_tile
+
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # blockwise scales cover 128 elements (1x128) or 128x128 tiles
 TOKEN_ALIGN = 128  # wgrad: each expert's token segment starts at a multiple of this
@@ -315,6 +317,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    tile = gemm_tile.parts()
+    bounds, dot_step, add_into = tile.bounds, tile.dot_step, tile.add_into
+
     @triton.jit
     def grouped_nt_kernel(a_ptr, b_ptr, y_ptr, sa_ptr, sb_ptr,
                           tile_expert_ptr, tile_start_ptr, tile_end_ptr, tile_count_ptr,
@@ -333,28 +338,22 @@ def _kernels():
             m0 = tl.load(tile_start_ptr + mt)
             row_end = tl.load(tile_end_ptr + mt)
             expert_rows = e < E  # the tail tile (e == E) computes nothing and writes zeros
-            rows = m0 + tl.arange(0, BM)
-            cols = n0 + tl.arange(0, BN)
-            row_in = rows < row_end
-            col_in = cols < N
+            rows, cols, row_in, col_in = bounds(m0, n0, row_end, N, BM, BN)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             k_stop = tl.where(expert_rows, K, 0)
             for k in range(0, k_stop, BK):
                 a = a_desc.load([m0, k])
                 b = b_desc.load([e * N + n0, k])
+                scale_rows, scale_cols = 1.0, 1.0
                 if BLOCKWISE:
                     kb = k // BK
                     sa = tl.load(sa_ptr + rows.to(tl.int64) * sa_stride_t + kb * sa_stride_k, mask=row_in, other=0.0)
                     if BN == BK:  # one 128x128 weight tile: one scale for the whole output tile
-                        sab = sa * tl.load(sb_ptr + (e * Nt + n0 // BK) * Kt + kb)
-                        acc += tl.dot(a, b.T) * sab[:, None]
+                        scale_rows = (sa * tl.load(sb_ptr + (e * Nt + n0 // BK) * Kt + kb))[:, None]
                     else:
-                        sb = tl.load(sb_ptr + (e * Nt + cols // BK) * Kt + kb, mask=col_in, other=0.0)
-                        acc += tl.dot(a, b.T) * sa[:, None] * sb[None, :]
-                elif FAST_ACCUM:
-                    acc = tl.dot(a, b.T, acc)
-                else:
-                    acc += tl.dot(a, b.T)
+                        scale_rows = sa[:, None]
+                        scale_cols = tl.load(sb_ptr + (e * Nt + cols // BK) * Kt + kb, mask=col_in, other=0.0)[None, :]
+                acc = dot_step(acc, a, b, scale_rows, scale_cols, BLOCKWISE, FAST_ACCUM)
             if not BLOCKWISE:
                 if A_PER_ROW:
                     sa = tl.load(sa_ptr + rows, mask=row_in & expert_rows, other=0.0)
@@ -384,30 +383,24 @@ def _kernels():
             n0 = (r - mt * n_tiles) * BN
             p_start = tl.load(padded_ends_ptr + e - 1, mask=e > 0, other=0)
             p_end = tl.load(padded_ends_ptr + e)
-            rows = m0 + tl.arange(0, BM)
-            cols = n0 + tl.arange(0, BN)
-            row_in = rows < N
-            col_in = cols < K
+            rows, cols, row_in, col_in = bounds(m0, n0, N, K, BM, BN)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for p in range(p_start, p_end, BK):
                 a = a_desc.load([m0, p])
                 b = b_desc.load([n0, p])
+                scale_rows, scale_cols = 1.0, 1.0
                 if BLOCKWISE:
                     pb = p // BK
-                    sa = tl.load(sa_ptr + rows * sa_stride_n + pb * sa_stride_p, mask=row_in, other=0.0)
-                    sb = tl.load(sb_ptr + cols * sb_stride_k + pb * sb_stride_p, mask=col_in, other=0.0)
-                    acc += tl.dot(a, b.T) * sa[:, None] * sb[None, :]
-                elif FAST_ACCUM:
-                    acc = tl.dot(a, b.T, acc)
-                else:
-                    acc += tl.dot(a, b.T)
+                    scale_rows = tl.load(sa_ptr + rows * sa_stride_n + pb * sa_stride_p, mask=row_in, other=0.0)[:, None]
+                    scale_cols = tl.load(sb_ptr + cols * sb_stride_k + pb * sb_stride_p, mask=col_in, other=0.0)[None, :]
+                acc = dot_step(acc, a, b, scale_rows, scale_cols, BLOCKWISE, FAST_ACCUM)
             if not BLOCKWISE:
                 acc = acc * (tl.load(sa_ptr + e) * tl.load(sb_ptr + e))
             at = e.to(tl.int64) * N * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
             inside = row_in[:, None] & col_in[None, :]
             if ACCUMULATE:
-                acc = tl.load(out_ptr + at, mask=inside, other=0.0) + acc
-            if OUT_BF16:
+                add_into(out_ptr, at, inside, acc)
+            elif OUT_BF16:
                 tl.store(out_ptr + at, acc.to(tl.bfloat16), mask=inside)
             else:
                 tl.store(out_ptr + at, acc, mask=inside)

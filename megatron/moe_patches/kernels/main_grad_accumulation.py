@@ -29,6 +29,7 @@ from typing import Dict, NamedTuple, Sequence, Tuple
 import torch
 
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.kernels import gemm_tile
 
 # --- megatron-core's two APEX functions -----------------------------------------------------
 
@@ -120,6 +121,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    tile = gemm_tile.parts()
+    bounds, add_into = tile.bounds, tile.add_into
+
     @triton.jit
     def grouped_wgrad_accumulate_kernel(dy_ptr, x_ptr, ends_ptr, table_ptr, O, I,
                                         BO: tl.constexpr, BI: tl.constexpr, BT: tl.constexpr):
@@ -131,10 +135,7 @@ def _kernel():
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(ends_ptr + e)
         if end > start:  # an expert without rows keeps its main_grad as it is
-            o = o0 + tl.arange(0, BO)
-            i = i0 + tl.arange(0, BI)
-            o_in = o < O
-            i_in = i < I
+            o, i, o_in, i_in = bounds(o0, i0, O, I, BO, BI)
             acc = tl.zeros((BO, BI), dtype=tl.float32)
             for t0 in range(start, end, BT):
                 t = t0 + tl.arange(0, BT)
@@ -145,9 +146,7 @@ def _kernel():
                             mask=t_in[:, None] & i_in[None, :], other=0.0)
                 acc = tl.dot(tl.trans(dy), x, acc)
             grad_ptr = tl.load(table_ptr + e).to(tl.pointer_type(tl.float32))
-            at = o.to(tl.int64)[:, None] * I + i[None, :]
-            inside = o_in[:, None] & i_in[None, :]
-            tl.store(grad_ptr + at, tl.load(grad_ptr + at, mask=inside, other=0.0) + acc, mask=inside)
+            add_into(grad_ptr, o.to(tl.int64)[:, None] * I + i[None, :], o_in[:, None] & i_in[None, :], acc)
 
     return grouped_wgrad_accumulate_kernel
 
