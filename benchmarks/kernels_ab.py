@@ -18,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 import test_fp8_grouped_gemm as T  # noqa: E402  (Problem, SHAPES)
+from wgrad_main_grad import timed  # noqa: E402  (this folder's: CUDA-event ms after 3 warm-up calls)
 from megatron.moe_patches.kernels import fp8_grouped_gemm as new_g, main_grad_accumulation as new_m  # noqa: E402
 
 def load(name: str, path: Path):
@@ -28,25 +29,12 @@ def load(name: str, path: Path):
     return module
 
 
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def compare(sink, case, run_a, run_b, rounds=3):
     a, b = run_a(), run_b()
     ms = {"a": [], "b": []}
     for round_index in range(rounds):
         for label in ("a", "b") if round_index % 2 == 0 else ("b", "a"):
-            ms[label].append(timed(run_a if label == "a" else run_b))
+            ms[label].append(timed(run_a if label == "a" else run_b, 20))
     row = dict(case=case, bitwise=bool(torch.equal(a, b)), max_abs_diff=(a.float() - b.float()).abs().max().item(),
                old_ms=statistics.median(ms["a"]), new_ms=statistics.median(ms["b"]),
                device=torch.cuda.get_device_name())
