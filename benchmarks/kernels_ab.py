@@ -3,7 +3,8 @@ inputs in one process: whether each output is bitwise equal, the max abs differe
 CUDA-event ms (median of 3 rounds alternating which goes first, 20 calls each). For kernel
 changes meant to leave the results alone. Cases: tests/gpu/test_fp8_grouped_gemm.py's problems
 (fprop, dgrad, wgrad, both recipes) and F13's weight gradient into fp32 main grads at the
-Qwen3-30B-A3B slice's 65536 routed rows.
+Qwen3-30B-A3B slice's 65536 routed rows. A's two kernel modules are loaded from its files;
+what they import of this package (``kernels/gemm_tile.py``, ``capabilities``) is this checkout's.
 
     python3 benchmarks/kernels_ab.py OLD_CHECKOUT results.jsonl
 """

@@ -1,7 +1,7 @@
-"""pretrain_gpt.py takes Megatron-LM 0.16.1's flags (driver/megatron_lm_flags.py): every one is
-accepted under Megatron-LM's name with Megatron-LM's default, or refused by name with the
-reason (one line, exit status 2, before start-up); flags Megatron-LM does not have stay
-argparse errors. With MEGATRON_LM_PATH set, the table is checked against Megatron-LM's own
+"""pretrain_gpt.py takes Megatron-LM 0.16.1's flags (the table driver/megatron_lm_flags.jsonl,
+read by driver/megatron_lm_flags.py): every one is accepted under Megatron-LM's name with
+Megatron-LM's default, or refused by name with the reason (one line, exit status 2, before
+start-up); flags Megatron-LM does not have stay argparse errors. With MEGATRON_LM_PATH set, the table is checked against Megatron-LM's own
 parser as well."""
 
 import argparse
@@ -148,6 +148,11 @@ def test_the_table_file_reads_back_megatron_lms_special_values():
     ('{"flag": "--x", "type": "complex"}', "complex"),
     ('{"flag": "--x", "default": {"env": "RANK"}}', "unknown special value"),
     ('{"flag": "--x"', "Expecting"),
+    ('["--x"]', "a row is a JSON object"),
+    ('{"flag": "--x", "aliases": "--y"}', "aliases: a list each"),
+    ('{"flag": "--x", "type": "str", "refused_values": ["a"]}', "refused_values: an object"),
+    ('{"flag": "--x", "action": "store_ture"}', "action 'store_ture'"),
+    ('{"flag": "--x", "action": "boolean_optional"}', "boolean_optional with a default"),
 ])
 def test_a_bad_row_of_the_table_file_is_an_error_naming_its_line(tmp_path, row, error):
     table = tmp_path / "flags.jsonl"

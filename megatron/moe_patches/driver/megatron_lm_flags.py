@@ -328,14 +328,16 @@ MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sink
 # --- the table: every flag of Megatron-LM 0.16.1's arguments.py, in its order -------------
 # megatron_lm_flags.jsonl, one JSON object a flag, with the fields of MegatronLMFlag: "flag"
 # (the first name) and "aliases"; "action" where not "store"; "type" by name (_TYPES);
-# "default" where not the action's own (None, false for store_true, true for store_false);
-# "dest" where not the first name's; the status fields, each reason by its name above.
+# "default" where not the action's own (None, false for store_true, true for store_false; a
+# boolean_optional row always gives it); "dest" where not the first name's; the status
+# fields, each reason by its name above; "comment": a note for the reader, not read.
 # Special values are objects: {"env": VARIABLE, "fallback": n} (FromEnv),
 # {"attention_backend": member} (AttnBackendName), {"signal": name} (signal.Signals),
 # {"not_offered": true} (NOT_OFFERED).
 
 _TYPES = {kind.__name__: kind for kind in (int, float, str, attention_backend, signal_by_name, number_or_text)}
-_ACTION_DEFAULTS = {"store": None, "store_true": False, "store_false": True}
+_ACTION_DEFAULTS = {"store": None, "store_true": False, "store_false": True, "boolean_optional": None}
+_LIST_FIELDS = ("aliases", "also_accepts", "unread_with")
 _ROW_KEYS = {"flag", "aliases", "action", "type", "default", "nargs", "dest", "refused", "runs_as",
              "refused_values", "also_accepts", "only_with", "unread_with", "no_effect", "comment"}
 
@@ -362,17 +364,24 @@ def _reason(name: str) -> str:
 
 
 def _flag_row(spec: dict) -> MegatronLMFlag:
+    if not isinstance(spec, dict):
+        raise ValueError(f"a row is a JSON object, not {spec!r}")
     unknown = spec.keys() - _ROW_KEYS
     if unknown:
         raise ValueError(f"unknown fields {sorted(unknown)}")
-    names = (spec["flag"], *spec.get("aliases", ()))
+    not_lists = [field for field in _LIST_FIELDS if not isinstance(spec.get(field, []), list)]
+    if not_lists or not isinstance(spec.get("refused_values", {}), dict):
+        raise ValueError(f"{', '.join(not_lists) or 'refused_values'}: a list each (refused_values: an object)")
     action = spec.get("action", "store")
+    if action not in _ACTION_DEFAULTS or (action == "boolean_optional" and "default" not in spec):
+        raise ValueError(f"action {action!r}: one of {sorted(_ACTION_DEFAULTS)} (boolean_optional with a default)")
+    names = (spec["flag"], *spec.get("aliases", ()))
     value_type = _TYPES[spec["type"]] if "type" in spec else None
     # JSON's keys are text: a numeric flag's refused values are read back as numbers
     key_type = value_type if value_type in (int, float) else str
     return MegatronLMFlag(
         names, spec.get("dest", names[0].lstrip("-").replace("-", "_")),
-        _special(spec.get("default", _ACTION_DEFAULTS.get(action))), action, value_type, spec.get("nargs"),
+        _special(spec.get("default", _ACTION_DEFAULTS[action])), action, value_type, spec.get("nargs"),
         refused=_reason(spec["refused"]) if "refused" in spec else None,
         runs_as=_special(spec.get("runs_as", MEGATRON_LM_DEFAULT)),
         refused_values={key_type(value): _reason(why) for value, why in spec.get("refused_values", {}).items()},
