@@ -79,7 +79,7 @@ def main():
                               hbm_tb_s_floor_bytes=floor_bytes / ms / 1e9))
             # numerics once: fused vs unfused from zero
             reference = torch._grouped_mm(dy_TO.t(), x_TI, offs=offsets_E).float()
-            table = MainGradTable()
+            table = MainGradTable(triton=True)
             for tiles in CONFIGS:
                 main_grad.zero_()
                 grouped_wgrad_into_main_grad(x_TI, dy_TO, offsets_E, targets, table, tiles)

@@ -11,7 +11,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
 from packaging.version import Version
 
@@ -113,7 +113,37 @@ def te_ops_grouped_linear_has(option: str) -> bool:
 def te_grouped_linear_device_splits() -> bool:
     """Whether TE's module GroupedLinear.forward takes m_splits as a tensor (F8, ROCm TE)."""
     grouped_linear = te_attr("GroupedLinear")
-    return grouped_linear is not None and accepts_parameter(grouped_linear.forward, "m_splits_tensor")
+    return accepts_parameter(getattr(grouped_linear, "forward", None), "m_splits_tensor")
+
+
+class MachineFacts(NamedTuple):
+    """What the plan's rules read of this process's machine and libraries: a plan made under
+    other facts is made again (``plan.plan_for`` keys its cache on them)."""
+
+    cuda_capability: Optional[Tuple[int, int]]  # None: no CUDA device
+    triton: bool
+    te_version: Optional[str]
+    te_device_splits: bool
+    te_fused_permute_pad: bool
+    te_op_fuser_grouped_mlp: bool
+    te_fused_grouped_mlp_kernel: bool
+    deep_gemm_grouped_fp8: bool
+
+
+def machine_facts() -> MachineFacts:
+    import torch
+
+    version = te_version()
+    return MachineFacts(
+        cuda_capability=tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
+        triton=triton_available(),
+        te_version=None if version is None else str(version),
+        te_device_splits=te_grouped_linear_device_splits(),
+        te_fused_permute_pad=te_fused_permute_pad(),
+        te_op_fuser_grouped_mlp=te_op_fuser_grouped_mlp(),
+        te_fused_grouped_mlp_kernel=te_fused_grouped_mlp_kernel(),
+        deep_gemm_grouped_fp8=deep_gemm_grouped_fp8(),
+    )
 
 
 def triton_available() -> bool:

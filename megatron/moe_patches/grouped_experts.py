@@ -52,6 +52,7 @@ class PatchedTEGroupedMLP(TEGroupedMLP):
         if hasattr(self, "quantization_padding"):  # FP8/FP4: stock built TE's padding modules
             self._fit_quantization_padding(num_local_experts)
         self.wgrad_into_main_grad = plan.wgrad_into_main_grad  # F13, read by the backend
+        self.triton_kernels = plan.triton_kernels  # the backend's kernels: Triton, or their PyTorch twins
         self.backend = plan.backend(self)
 
     def _fit_quantization_padding(self, num_local_experts):

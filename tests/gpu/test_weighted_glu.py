@@ -44,7 +44,7 @@ def test_kernels_match_a_float64_reference(spec, rows, features):
     da = torch.randn(rows, features, device="cuda").bfloat16()
 
     h_in, p_in = h.clone().requires_grad_(), probs.clone().requires_grad_()
-    a = weighted_glu(h_in, p_in, spec)
+    a = weighted_glu(h_in, p_in, spec, triton=True)
     a.backward(da)
     ref_a, ref_dh, ref_dp, dp_terms = reference(h, probs, da, spec)
 
@@ -73,7 +73,7 @@ def test_kernels_match_a_float64_reference(spec, rows, features):
 
     # The same inputs give the same bits (no atomics: graph replay and deterministic mode rely on it)
     h_again, p_again = h.clone().requires_grad_(), probs.clone().requires_grad_()
-    a_again = weighted_glu(h_again, p_again, spec)
+    a_again = weighted_glu(h_again, p_again, spec, triton=True)
     a_again.backward(da)
     assert torch.equal(a_again, a) and torch.equal(h_again.grad, h_in.grad) and torch.equal(p_again.grad, p_in.grad)
 
@@ -90,13 +90,13 @@ def test_rows_past_rows_used_come_out_zero(spec):
     probs = torch.rand(rows, device="cuda").requires_grad_()
     h.requires_grad_()
     rows_used = torch.tensor([used], dtype=torch.int32, device="cuda")
-    a = weighted_glu(h, probs, spec, rows_used=rows_used)
+    a = weighted_glu(h, probs, spec, rows_used=rows_used, triton=True)
     da = torch.randn_like(a)
     da[used::2] = float("nan")
     a.backward(da)
     assert not a[used:].any() and not h.grad[used:].any() and not probs.grad[used:].any()
     # The rows before it are the kernel's usual result.
-    want = weighted_glu(h.detach()[:used], probs.detach()[:used], spec)
+    want = weighted_glu(h.detach()[:used], probs.detach()[:used], spec, triton=True)
     assert torch.equal(a[:used], want)
 
 
@@ -118,7 +118,7 @@ def test_kernels_gather_each_experts_amax_of_what_they_write(spec, rows, feature
     results = []
     for amax in (ExpertAmax.zeros(expert_T, experts), None):
         h_in, p_in = h.clone().requires_grad_(), probs.clone().requires_grad_()
-        a = weighted_glu(h_in, p_in, spec, rows_used=rows_used, amax=amax)
+        a = weighted_glu(h_in, p_in, spec, rows_used=rows_used, amax=amax, triton=True)
         a.backward(da)
         results.append((a, h_in.grad, p_in.grad, amax))
     (a, dh, dp, amax), (a_plain, dh_plain, dp_plain, _) = results
@@ -144,7 +144,7 @@ def test_kernels_write_the_fp8_rows_of_what_they_write(spec, rows, features):
     results = []
     for quantized in (True, False):
         h_in, p_in = h.clone().requires_grad_(), probs.clone().requires_grad_()
-        a = weighted_glu(h_in, p_in, spec, rows_used=rows_used, quantized_rows=quantized)
+        a = weighted_glu(h_in, p_in, spec, rows_used=rows_used, quantized_rows=quantized, triton=True)
         a_rows = take_quantized_rows(a)
         seen = {}
         h_in.register_hook(lambda g: seen.update(dh_rows=take_quantized_rows(g)))  # returns None: g unchanged

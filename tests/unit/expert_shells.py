@@ -27,7 +27,8 @@ def experts_shell(backend_class, config, experts, fc1_shape, fc2_shape, bias=Fal
                   padding_plan=PaddingPlan(None, NOBODY), wgrad_into_main_grad=False):
     """The experts module a backend is built for: a MegatronModule (its ``set_is_first_microbatch``
     is megatron-core's) holding FC1 [out, in] and FC2 [out, in] per expert, and the plan's
-    padding (``padding_plan``: nobody pads unless given) and F13's option (``wgrad_into_main_grad``)."""
+    padding (``padding_plan``: nobody pads unless given), F13's option (``wgrad_into_main_grad``)
+    and the plan's kernels (Triton or the PyTorch twins)."""
     submodules = backend_class.expert_submodules(
         config, MLPSubmodules(linear_fc1=ShellGroupedLinear, linear_fc2=ShellGroupedLinear), plan_for(config))
     generator = torch.Generator().manual_seed(seed)
@@ -35,6 +36,7 @@ def experts_shell(backend_class, config, experts, fc1_shape, fc2_shape, bias=Fal
     owner.num_local_experts = experts
     owner.padding_plan = padding_plan
     owner.wgrad_into_main_grad = wgrad_into_main_grad
+    owner.triton_kernels = plan_for(config).triton_kernels
     owner.linear_fc1 = submodules.linear_fc1(experts, *fc1_shape, bias=bias, generator=generator, dtype=dtype)
     owner.linear_fc2 = submodules.linear_fc2(experts, *fc2_shape, bias=bias, generator=generator, dtype=dtype)
     return owner

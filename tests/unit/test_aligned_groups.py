@@ -24,6 +24,7 @@ from expert_shells import experts_shell
 from expert_configs import fp8_config
 
 ALIGN = 128
+DEEP_GEMM_KERNELS = "DeepGEMM's blockwise FP8 grouped GEMMs for fprop and dgrad"  # what the plan names them
 
 
 def layout_by_loop(counts, align):
@@ -80,7 +81,7 @@ def machine(monkeypatch):
 def test_with_deep_gemm_the_dispatcher_pads_blockwise_groups_into_static_rows(machine, dispatcher, caplog):
     plan = moe_plan.plan_for(blockwise_config(moe_token_dispatcher_type=dispatcher))
     assert plan.backend is fp8.FP8GroupedMMBackend
-    assert plan.padding == PaddingPlan(ALIGN, PERMUTE, static_rows=True)
+    assert plan.padding == PaddingPlan(ALIGN, PERMUTE, static_rows=True, aligned_kernels=DEEP_GEMM_KERNELS)
     assert (plan.exchange.pad_align, plan.exchange.static_pad_rows, plan.exchange.device_counts) == (ALIGN, True, True)
     assert plan.graph_blocker is None
     with caplog.at_level(logging.INFO, logger=moe_plan.__name__):
@@ -192,7 +193,8 @@ def test_with_bf16_wgrad_the_static_permute_writes_the_fp8_rows_too(machine, fp8
     config = blockwise_config()
     config.fp8_wgrad = fp8_wgrad
     plan = moe_plan.plan_for(config)
-    assert plan.padding == PaddingPlan(ALIGN, PERMUTE, static_rows=True, quantized_rows=quantized)
+    assert plan.padding == PaddingPlan(ALIGN, PERMUTE, static_rows=True, quantized_rows=quantized,
+                                       aligned_kernels=DEEP_GEMM_KERNELS)
     assert plan.exchange.quantized_rows == quantized
     step = permute_pad_step(config, plan)
     assert isinstance(step, StaticPaddedPermute) and step.quantized_rows == quantized

@@ -125,8 +125,9 @@ def test_te_experts_read_the_plan_and_ask_nothing_after_construction(te_takes_de
     layers = [PatchedTEGroupedMLP(E, config, submodules) for _ in range(2)]
     assert all(layer.backend.name == "te" for layer in layers)
     assert [layer.backend.passes_device_splits for layer in layers] == [device_tokens] * 2
-    # the plan asks TE once per config; the layers' spec and backends read its answer
-    assert probes.get("te_grouped_linear_device_splits", 0) == int(device_tokens)
+    # the plan reads TE with the machine's other facts at construction; the layers' spec and
+    # backends read its answer
+    assert probes.get("te_grouped_linear_device_splits", 0) > 0
     probes.clear()
     for layer in layers:
         forward(layer, [2, 0, 3], torch.float32)

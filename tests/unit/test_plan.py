@@ -38,7 +38,7 @@ def counted(monkeypatch):
     """How often a plan is made from scratch."""
     made = []
     make = moe_plan.make_plan
-    monkeypatch.setattr(moe_plan, "make_plan", lambda config: made.append(config) or make(config))
+    monkeypatch.setattr(moe_plan, "make_plan", lambda config, facts=None: made.append(config) or make(config, facts))
     return made
 
 
@@ -84,6 +84,19 @@ def test_a_config_changed_after_construction_gets_a_new_plan(counted, change):
     change(config)
     after = moe_plan.plan_for(config)
     assert after is not before and after.backend is TEBackend and len(counted) == 2
+    assert moe_plan.plan_for(config) is after and len(counted) == 2
+
+
+def test_a_changed_fact_of_the_machine_gets_a_new_plan(counted, hopper_node, monkeypatch):
+    """The plan's cache key holds what its rules read of the machine (issue #47): Triton gone
+    (a test's stand-in) turns the kernels into the PyTorch twins and refuses the FP8 experts."""
+    config = built(moe_device_tokens_per_expert=True)
+    before = moe_plan.plan_for(config)
+    assert before.triton_kernels and len(counted) == 1
+    monkeypatch.setattr(cap, "triton_available", lambda: False)
+    after = moe_plan.plan_for(config)
+    assert not after.triton_kernels and len(counted) == 2
+    assert "kernels: the PyTorch twins (Triton is not importable)" in after.lines()
     assert moe_plan.plan_for(config) is after and len(counted) == 2
 
 

@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 
-from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts.backend import BF16, ExpertBackend
 from megatron.moe_patches.fields import log_once, patch_option
 from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
@@ -127,9 +126,9 @@ class MainGradTarget:
     [E, out, in] grouped parameter). It keeps the real parameters: under a CUDA-graph capture the
     module computes with aliases of them, which carry no main_grad."""
 
-    def __init__(self, params):
+    def __init__(self, params, triton: bool):
         self.params = list(params)
-        self.table = MainGradTable()
+        self.table = MainGradTable(triton)
 
     def main_grads_E(self):
         grads = []
@@ -267,11 +266,11 @@ class GroupedMMBackend(ExpertBackend):
         if not grouped["weight"]:
             log_once(logger, logging.WARNING, STACKED_WEIGHTS)
         self._glu = glu_spec(config)
-        self._glu_triton = cap.triton_available()  # asked once: the GLU's Triton kernels or megatron-core's
+        self._glu_triton = experts.triton_kernels  # the plan's: the GLU's Triton kernels or megatron-core's
         # F13: under gradient_accumulation_fusion the wgrad GEMM adds into main_grad
         self.main_grad_targets = None
         if experts.wgrad_into_main_grad:
-            self.main_grad_targets = {fc: MainGradTarget(weight_params(fc))
+            self.main_grad_targets = {fc: MainGradTarget(weight_params(fc), experts.triton_kernels)
                                       for fc in (experts.linear_fc1, experts.linear_fc2)}
 
     def gemm(self, groups: RowGroups):

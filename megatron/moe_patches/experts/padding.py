@@ -40,6 +40,7 @@ class PaddingPlan:
     reason: Optional[str] = None  # EXPERTS: why the dispatcher does not pad instead (F1), else None
     static_rows: bool = False  # PERMUTE: a static row count, counts on the device (one rank)
     quantized_rows: bool = False  # static_rows: the permute writes the rows' 1x128 FP8 copy too
+    aligned_kernels: Optional[str] = None  # static_rows: the experts' kernels the alignment is for (DeepGEMM's)
 
     @property
     def dispatcher_pads(self) -> bool:

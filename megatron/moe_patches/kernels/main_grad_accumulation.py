@@ -28,7 +28,6 @@ from typing import Dict, NamedTuple, Sequence, Tuple
 
 import torch
 
-from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.kernels import gemm_tile
 
 # --- megatron-core's two APEX functions -----------------------------------------------------
@@ -82,9 +81,9 @@ class MainGradTable:
     Built once per set of addresses (DDP's buffer does not move during training), so the
     backward copies nothing to the GPU after the first step and can be captured in a graph."""
 
-    def __init__(self):
+    def __init__(self, triton: bool):
         self._tables: Dict[Tuple[int, ...], torch.Tensor] = {}
-        self.triton = cap.triton_available()  # asked once: the kernel, or the PyTorch twin
+        self.triton = triton  # the kernel (the plan's ``triton_kernels``), or the PyTorch twin
 
     def of(self, main_grads_E: Sequence[torch.Tensor]) -> torch.Tensor:
         addresses = tuple(g.data_ptr() for g in main_grads_E)

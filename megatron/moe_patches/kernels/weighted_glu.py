@@ -34,7 +34,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import glu_activation
 from megatron.moe_patches.kernels.expert_amax import expert_amax_reference, triton_expert_max
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import attach_quantized_rows, empty_rows, jit_helpers
@@ -80,13 +79,13 @@ class ExpertAmax(NamedTuple):
 
 def weighted_glu(h_TF2: torch.Tensor, probs_T: torch.Tensor, spec: GLUSpec,
                  rows_used: Optional[torch.Tensor] = None, amax: Optional[ExpertAmax] = None,
-                 quantized_rows: bool = False, triton: Optional[bool] = None) -> torch.Tensor:
+                 quantized_rows: bool = False, *, triton: bool) -> torch.Tensor:
     """[rows, 2F] FC1 output and [rows] router probs -> [rows, F] weighted activation; with
     ``amax``, its per-expert amaxes are written too (the input gradient's in the backward);
     with ``quantized_rows`` its 1x128 FP8 copy (the input gradient's in the backward), where
-    the Triton kernels run. ``triton``: whether Triton is importable, as the caller found once
-    (the expert backends, at construction); None asks ``capabilities.triton_available``."""
-    if h_TF2.is_cuda and (cap.triton_available() if triton is None else triton):
+    the Triton kernels run. ``triton``: whether they may (the plan's ``triton_kernels``, which the
+    expert backends read at construction); off CUDA the PyTorch path runs anyway."""
+    if h_TF2.is_cuda and triton:
         return _WeightedGLU.apply(h_TF2, probs_T, spec, rows_used, amax, quantized_rows)
     if rows_used is not None:
         inside_T = torch.arange(h_TF2.shape[0], device=h_TF2.device) < rows_used

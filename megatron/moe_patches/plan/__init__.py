@@ -18,12 +18,13 @@ validation, the experts' and the dispatchers' construction and the graph capture
 nothing else decides. Each refusal keeps its reason, and what falls back from what the config
 asked for is logged once (``MoEPlan.log_choices``, called where the layer is built).
 
-Process facts (CUDA, the GPU's capability, Triton, Transformer Engine's kernels) are read by
-the rules; the parallel sizes come from the config (``expert_model_parallel_size``,
+Process facts (CUDA, the GPU's capability, Triton, Transformer Engine's kernels, DeepGEMM:
+``capabilities.MachineFacts``) are read by the rules; the parallel sizes come from the config (``expert_model_parallel_size``,
 ``expert_tensor_parallel_size``), which the dispatchers check against their process groups.
 
-The plan is cached on the config with a fingerprint of its field values: a config changed
-after construction, or a backend registered since, gets a new plan at its next ``plan_for``.
+The plan is cached on the config with a fingerprint of its field values and the machine
+facts: a config changed after construction, a backend registered since or a fact changed
+(a test's stand-in) gets a new plan at its next ``plan_for``.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ from typing import Optional, Tuple, Type
 import torch
 
 import megatron.moe_patches.plan.backends as backends
+from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts.backend import ExpertBackend
 from megatron.moe_patches.experts.padding import PaddingPlan
 from megatron.moe_patches.fields import log_once
@@ -95,6 +97,8 @@ class MoEPlan:
     graph_unit: str = "MoE layer"  # what F11 captures: the MoE layer, or the transformer layer whole
     full_iteration: bool = False  # the config asks for megatron-core's graph of the whole iteration
     full_iteration_blocker: Optional[str] = None  # why that graph cannot hold the MoE layers
+    # the patch set's kernels run in Triton (else their PyTorch twins: Triton is not importable)
+    triton_kernels: bool = True
 
     @property
     def backend_refusals(self) -> Tuple[Tuple[str, str], ...]:
@@ -122,13 +126,17 @@ class MoEPlan:
             "single grouped parameters: " + ("can be held" if self.single_grouped_refusal is None
                                              else f"no: {self.single_grouped_refusal}"),
             f"weight gradients into main_grad in the GEMM: {'yes' if self.wgrad_into_main_grad else 'no'}",
+            "kernels: Triton" if self.triton_kernels else "kernels: the PyTorch twins (Triton is not importable)",
         ]
+        if padding.aligned_kernels is not None:
+            said.append(f"experts' GEMMs on aligned groups: {padding.aligned_kernels}")
         if self.full_iteration:
             said.append("CUDA graph of the whole iteration: " + ("can hold the MoE layers"
                                                                 if self.full_iteration_blocker is None
                                                                 else f"no: {self.full_iteration_blocker}"))
-        if self.te_device_splits:
-            said.append("TE's GroupedLinear takes the device token counts")
+        if self.backend.name == "te":
+            said.append("TE's GroupedLinear takes the device token counts: "
+                        + ("yes" if self.te_device_splits else "no, megatron-core copies them to the host"))
         return tuple(said) + tuple(f"note: {line}" for _, line in self.notes)
 
     def log_choices(self) -> None:
@@ -145,8 +153,10 @@ class MoEPlan:
                 f"{self.expert_tp_size}: build the config with the sizes the groups have.")
 
 
-def make_plan(config) -> MoEPlan:
-    """The plan for ``config`` in this process, computed afresh (``plan_for`` caches it)."""
+def make_plan(config, facts: Optional[cap.MachineFacts] = None) -> MoEPlan:
+    """The plan for ``config`` in this process, computed afresh (``plan_for`` caches it);
+    ``facts``: the machine facts read for it, where the caller has them."""
+    facts = facts or cap.machine_facts()
     notes = []
     blockers = [(backend, backend_blocker(backend, config)) for backend in backends.BACKENDS]
     backend = next((b for b, reason in blockers if reason is None), FALLBACK)
@@ -176,6 +186,7 @@ def make_plan(config) -> MoEPlan:
         graph_unit="transformer layer" if captures_whole_layers(config) else "MoE layer",
         full_iteration=asks_full_iteration(config),
         full_iteration_blocker=full_iteration_blocker(config, backend, blockers, exchange),
+        triton_kernels=facts.triton,
     )
 
 
@@ -213,13 +224,14 @@ _CACHE = "_moe_patches_plan"
 
 
 def plan_for(config) -> MoEPlan:
-    """The plan for ``config``: computed once, and again only after a field of it changed (or
-    a backend was registered)."""
-    key = (backends.BACKENDS, fingerprint(config))
+    """The plan for ``config``: computed once, and again only after a field of it changed, a
+    backend was registered or a fact of the machine its rules read changed."""
+    facts = cap.machine_facts()
+    key = (backends.BACKENDS, facts, fingerprint(config))
     cached = getattr(config, _CACHE, None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    plan = make_plan(config)
+    plan = make_plan(config, facts)
     # configs are unhashable dataclasses: the plan rides on the object, outside its fields
     object.__setattr__(config, _CACHE, (key, plan))
     return plan

@@ -107,4 +107,4 @@ def _aligned_groups(config, backend, notes) -> PaddingPlan:
     writes = " and writes their FP8 copy in the same pass" if quantized_rows else ""
     notes.append((logging.INFO, f"the {backend.name} experts run {kernels}; the dispatcher pads each expert's "
                                 f"rows to {align}{writes}."))
-    return PaddingPlan(align, PERMUTE, static_rows=True, quantized_rows=quantized_rows)
+    return PaddingPlan(align, PERMUTE, static_rows=True, quantized_rows=quantized_rows, aligned_kernels=kernels)
