@@ -116,36 +116,6 @@ def te_grouped_linear_device_splits() -> bool:
     return accepts_parameter(getattr(grouped_linear, "forward", None), "m_splits_tensor")
 
 
-class MachineFacts(NamedTuple):
-    """What the plan's rules read of this process's machine and libraries: a plan made under
-    other facts is made again (``plan.plan_for`` keys its cache on them)."""
-
-    cuda_capability: Optional[Tuple[int, int]]  # None: no CUDA device
-    triton: bool
-    te_version: Optional[str]
-    te_device_splits: bool
-    te_fused_permute_pad: bool
-    te_op_fuser_grouped_mlp: bool
-    te_fused_grouped_mlp_kernel: bool
-    deep_gemm_grouped_fp8: bool
-
-
-def machine_facts() -> MachineFacts:
-    import torch
-
-    version = te_version()
-    return MachineFacts(
-        cuda_capability=tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
-        triton=triton_available(),
-        te_version=None if version is None else str(version),
-        te_device_splits=te_grouped_linear_device_splits(),
-        te_fused_permute_pad=te_fused_permute_pad(),
-        te_op_fuser_grouped_mlp=te_op_fuser_grouped_mlp(),
-        te_fused_grouped_mlp_kernel=te_fused_grouped_mlp_kernel(),
-        deep_gemm_grouped_fp8=deep_gemm_grouped_fp8(),
-    )
-
-
 def triton_available() -> bool:
     """Triton (the FP8 experts' quantization kernels) is importable."""
     import importlib.util
@@ -165,14 +135,57 @@ def deep_gemm_grouped_fp8() -> bool:
     return gemm is not None and "use_psum_layout" in (getattr(gemm, "__doc__", None) or "")
 
 
-def deep_ep_hybridep_blocks() -> bool:
-    """Whether deep_ep's HybridEP buffer takes permute/unpermute block counts (F2)."""
-    try:
-        deep_ep = importlib.import_module("deep_ep")
-    except ImportError:
-        return False
-    buffer = getattr(deep_ep, "HybridEPBuffer", None)
-    return buffer is not None and accepts_parameter(buffer.__init__, "num_blocks_permute")
+class HybridEPOptions(NamedTuple):
+    """What deep_ep's HybridEP buffer takes beyond megatron-core's own calls (F2)."""
+
+    block_counts: bool  # num_blocks_permute / num_blocks_unpermute in its constructor
+    permute_fusion: bool  # fuse_permute_dispatch / fuse_unpermute_combine in dispatch / combine
+
+
+def hybridep_options(buffer_class=None) -> HybridEPOptions:
+    """What the HybridEP buffer class megatron-core builds (``fused_a2a.HybridEPBuffer``, deep_ep's)
+    takes; ``buffer_class``: another class to read (a test's stand-in). None installed: nothing."""
+    if buffer_class is None:
+        buffer_class = mcore_attr("transformer.moe.fused_a2a", "HybridEPBuffer")
+    init = getattr(buffer_class, "__init__", None)
+    return HybridEPOptions(
+        block_counts=all(accepts_parameter(init, name) for name in ("num_blocks_permute", "num_blocks_unpermute")),
+        permute_fusion=accepts_parameter(getattr(buffer_class, "dispatch_with_permute", None), "fuse_permute_dispatch")
+        and accepts_parameter(getattr(buffer_class, "combine_with_unpermute", None), "fuse_unpermute_combine"),
+    )
+
+
+class MachineFacts(NamedTuple):
+    """What the plan's rules read of this process's machine and libraries: a plan made under
+    other facts is made again (``plan.plan_for`` keys its cache on them)."""
+
+    cuda_capability: Optional[Tuple[int, int]]  # None: no CUDA device
+    triton: bool
+    te_version: Optional[str]
+    te_device_splits: bool
+    te_fused_permute_pad: bool
+    te_op_fuser_grouped_mlp: bool
+    te_fused_grouped_mlp_kernel: bool
+    deep_gemm_grouped_fp8: bool
+    hybridep: HybridEPOptions
+
+
+def machine_facts() -> MachineFacts:
+    import torch
+
+    version = te_version()
+    return MachineFacts(
+        cuda_capability=tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
+        triton=triton_available(),
+        te_version=None if version is None else str(version),
+        te_device_splits=te_grouped_linear_device_splits(),
+        te_fused_permute_pad=te_fused_permute_pad(),
+        te_op_fuser_grouped_mlp=te_op_fuser_grouped_mlp(),
+        te_fused_grouped_mlp_kernel=te_fused_grouped_mlp_kernel(),
+        deep_gemm_grouped_fp8=deep_gemm_grouped_fp8(),
+        hybridep=hybridep_options(),
+    )
+
 
 
 # --- megatron-core: does it already have a feature natively? ----------------------------

@@ -167,7 +167,7 @@ SERIES: Tuple[Feature, ...] = (
         title="HybridEP permute/unpermute fusion and block counts",
         changes="moe_permute_fusion_into_hybridep fuses permute/unpermute into HybridEP's "
         "dispatch/combine; moe_hybridep_num_blocks_permute/_unpermute set their thread blocks; "
-        "each passed when the installed deep_ep accepts it.",
+        "each passed when the installed deep_ep accepts it (the plan decides: ExchangeChoice.hybridep_*).",
         fields=(
             "moe_permute_fusion_into_hybridep",
             "moe_hybridep_num_blocks_permute",
@@ -178,13 +178,16 @@ SERIES: Tuple[Feature, ...] = (
         "dispatch_with_permute(fuse_permute_dispatch=...))",
         native=lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute", "moe_permute_fusion_into_hybridep"),
         page="patches/F2-hybridep-blocks.md",
-        test="tests/unit/test_hybridep_blocks.py",
+        test="tests/unit/test_hybridep_blocks.py, tests/unit/test_decided_at_construction.py",
         module="megatron.moe_patches.dispatch.hybridep_blocks",
         bindings=(
             Binding("megatron.core.transformer.moe.token_dispatcher", "_HybridEPManager",
                     "megatron.moe_patches.dispatch.hybridep_blocks:HybridEPBlocksManager",
                     "MoEFlexTokenDispatcher constructs its HybridEP manager by this name"),
         ),
+        # the manager creates the buffer megatron-core's fused_a2a would create lazily, in its place
+        relies_on=(f"{_TOKEN_DISPATCHER}:_HybridEPManager.dispatch",
+                   "megatron.core.transformer.moe.fused_a2a:_hybrid_ep_buffer"),
     ),
     Feature(
         id="F3",

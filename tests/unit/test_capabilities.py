@@ -1,6 +1,3 @@
-import sys
-import types
-
 import pytest
 
 from megatron.moe_patches import capabilities as cap
@@ -19,7 +16,10 @@ def test_accepts_parameter():
     assert not cap.accepts_parameter(None, "x")
 
 
-def test_deep_ep_probe_reads_the_constructor(monkeypatch):
+def test_hybridep_options_read_megatron_cores_buffer_class(monkeypatch):
+    """Without a class given, the probe reads the one fused_a2a imported from deep_ep."""
+    from megatron.core.transformer.moe import fused_a2a
+
     class NewBuffer:
         def __init__(self, group, hidden_dim, num_blocks_permute=None, num_blocks_unpermute=None):
             pass
@@ -28,12 +28,12 @@ def test_deep_ep_probe_reads_the_constructor(monkeypatch):
         def __init__(self, group, hidden_dim):
             pass
 
-    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=NewBuffer))
-    assert cap.deep_ep_hybridep_blocks()
-    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(HybridEPBuffer=OldBuffer))
-    assert not cap.deep_ep_hybridep_blocks()
-    monkeypatch.setitem(sys.modules, "deep_ep", None)  # import fails
-    assert not cap.deep_ep_hybridep_blocks()
+    monkeypatch.setattr(fused_a2a, "HybridEPBuffer", NewBuffer, raising=False)
+    assert cap.hybridep_options() == (True, False)
+    monkeypatch.setattr(fused_a2a, "HybridEPBuffer", OldBuffer)
+    assert cap.hybridep_options() == (False, False)
+    monkeypatch.delattr(fused_a2a, "HybridEPBuffer")  # deep_ep not installed
+    assert cap.hybridep_options() == (False, False)
 
 
 def test_mcore_version_and_range():

@@ -3,7 +3,6 @@ their forward and dispatch read stored choices and ask ``capabilities`` nothing 
 On CPU, with every probe of ``capabilities`` replaced by a counter."""
 
 import types
-import warnings
 
 import pytest
 import torch
@@ -15,17 +14,18 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import fields
 from megatron.moe_patches.dispatch import hybridep_blocks
+from megatron.moe_patches.plan import exchange as plan_exchange
 from megatron.moe_patches.grouped_experts import PatchedTEGroupedMLP
 
 from expert_configs import cfg
 from expert_shells import ShellGroupedLinear
-from test_hybridep_blocks import FusingBuffer, NewBuffer, NonFusingBuffer
+from test_hybridep_blocks import FusingBuffer, NewBuffer, NonFusingBuffer, choice
 from test_te_device_splits import OnDevice, grouped_linear_class, megatron_wrapper
 
 E, HIDDEN, FFN = 3, 16, 8  # rows of 16 bytes and more: torch._grouped_mm needs them
 PROBES = ("triton_available", "te_grouped_linear_device_splits", "accepts_parameter", "te_attr", "te_version",
           "te_fused_permute_pad", "te_op_fuser_grouped_mlp", "te_fused_grouped_mlp_kernel",
-          "te_ops_grouped_linear_has", "deep_gemm_grouped_fp8", "deep_ep_hybridep_blocks")
+          "te_ops_grouped_linear_has", "deep_gemm_grouped_fp8", "hybridep_options")
 
 
 @pytest.fixture
@@ -142,6 +142,7 @@ class Hidden:
 def hybridep_config(fuse, permute_blocks=None):
     return types.SimpleNamespace(
         moe_permute_fusion=True, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+        moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
         moe_hybridep_num_sms=16, moe_hybridep_num_blocks_permute=permute_blocks,
         moe_hybridep_num_blocks_unpermute=None, moe_permute_fusion_into_hybridep=fuse,
     )
@@ -152,26 +153,35 @@ def hybridep_config(fuse, permute_blocks=None):
     (FusingBuffer, True, None),  # deep_ep fuses permute into dispatch
     (NonFusingBuffer, True, None),  # asked, but deep_ep cannot: stock calls
 ])
-def test_hybridep_dispatch_asks_nothing_after_the_buffer_is_prepared(probes, monkeypatch, buffer_class, fuse,
-                                                                     blocks):
+def test_hybridep_dispatch_asks_nothing_after_the_manager_is_built(probes, monkeypatch, buffer_class, fuse,
+                                                                   blocks):
     a2a = types.SimpleNamespace(_hybrid_ep_buffer=None, HybridEPBuffer=buffer_class)
     monkeypatch.setattr(hybridep_blocks, "fused_a2a", a2a)
+    counted_probe = cap.hybridep_options  # the fixture's counter, reading the stand-in class
+    monkeypatch.setattr(cap, "hybridep_options", lambda: counted_probe(buffer_class))
     monkeypatch.setattr(token_dispatcher, "hybrid_ep_dispatch", object())  # deep_ep "installed"
     monkeypatch.setattr(token_dispatcher._HybridEPManager, "dispatch", lambda self, hidden, *a, **k: hidden)
+
+    def plan_of(config):  # the plan's exchange, from its rule (these stand-in configs build no whole plan)
+        return types.SimpleNamespace(exchange=choice(*plan_exchange.hybridep_choices(config, [])))
+
+    monkeypatch.setattr(hybridep_blocks, "plan_for", plan_of)
     decided = []
     real_patch_option = hybridep_blocks.patch_option
     monkeypatch.setattr(hybridep_blocks, "patch_option", lambda *a: decided.append(a[1:]) or real_patch_option(*a))
     managers = [hybridep_blocks.HybridEPBlocksManager(None, 2, 4, hybridep_config(fuse, blocks)) for _ in range(2)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # NonFusingBuffer's one warning
-        for manager in managers:  # each layer's first dispatch prepares the shared buffer
+    assert probes["hybridep_options"] == 2  # once per manager, at construction
+    probes.clear()
+    decided.clear()
+    for manager in managers:  # each layer's first dispatch prepares the shared buffer from the plan
+        manager.dispatch(Hidden())
+    prepared = a2a._hybrid_ep_buffer
+    assert probes == {}
+    decided.clear()
+    for _ in range(3):
+        for manager in managers:
             manager.dispatch(Hidden())
-        prepared = a2a._hybrid_ep_buffer
-        probes.clear()
-        decided.clear()
-        for _ in range(3):
-            for manager in managers:
-                manager.dispatch(Hidden())
     assert a2a._hybrid_ep_buffer is prepared
     assert isinstance(prepared, hybridep_blocks.FusedPermuteBuffer) == (buffer_class is FusingBuffer)
+    assert ("num_blocks_permute" in prepared.kwargs and prepared.kwargs["num_blocks_permute"] == blocks) or not blocks
     assert probes == {} and decided == []

@@ -12,49 +12,24 @@ it lazily inside ``fused_a2a`` with no way to configure it):
   autograd functions) ask for the fused kernels (``fuse_permute_dispatch`` /
   ``fuse_unpermute_combine``), through a thin wrapper around the buffer.
 
-Each is passed only when the installed deep_ep accepts it (probed on the callable, once per
-buffer and manager: later dispatches only check that the buffer is the one prepared);
-otherwise one warning and the stock call. Upstream: NVIDIA/Megatron-LM#4073 (dev),
-#4089 (main).
+Whether each is passed is the plan's (``ExchangeChoice.hybridep_block_counts`` /
+``hybridep_permute_fusion``: asked for and taken by the installed deep_ep, else one
+warning and the stock call), read when the manager is built; a dispatch only checks that
+the shared buffer is the one it prepared. Upstream: NVIDIA/Megatron-LM#4073 (dev), #4089 (main).
 """
-
-import logging
-import warnings
 
 from megatron.core.transformer.moe import fused_a2a
 from megatron.core.transformer.moe.token_dispatcher import _HybridEPManager
 
-from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.fields import patch_option
-
-logger = logging.getLogger(__name__)
-
-BLOCK_FIELDS = {
-    "moe_hybridep_num_blocks_permute": "num_blocks_permute",
-    "moe_hybridep_num_blocks_unpermute": "num_blocks_unpermute",
-}
+from megatron.moe_patches.plan import plan_for
+from megatron.moe_patches.plan.exchange import HYBRIDEP_BLOCK_FIELDS
 
 
-def hybridep_block_kwargs(config, buffer_class) -> dict:
-    """The block-count keyword arguments for ``buffer_class(...)``: the ones set in the
-    config, or none (with a warning) when the buffer does not take them."""
-    wanted = {
-        kwarg: patch_option(config, field)
-        for field, kwarg in BLOCK_FIELDS.items()
-        if patch_option(config, field) is not None
-    }
-    if not wanted:
-        return {}
-    if not all(cap.accepts_parameter(buffer_class.__init__, kwarg) for kwarg in wanted):
-        warnings.warn(
-            "moe_hybridep_num_blocks_permute/_unpermute are set but the installed deep_ep's "
-            "HybridEPBuffer does not take num_blocks_permute/num_blocks_unpermute; HybridEP "
-            "chooses the block counts. Upgrade deep_ep to use them.",
-            UserWarning,
-            stacklevel=2,
-        )
-        return {}
-    return wanted
+def hybridep_block_kwargs(config) -> dict:
+    """The block counts set in the config, as the buffer's constructor arguments."""
+    return {kwarg: patch_option(config, field) for field, kwarg in HYBRIDEP_BLOCK_FIELDS.items()
+            if patch_option(config, field) is not None}
 
 
 class FusedPermuteBuffer:
@@ -73,51 +48,27 @@ class FusedPermuteBuffer:
         return self.buffer.combine_with_unpermute(*args, fuse_unpermute_combine=True, **kwargs)
 
 
-def fuses_permute(buffer) -> bool:
-    """Whether ``buffer``'s dispatch/combine take the permute-fusion switches."""
-    return cap.accepts_parameter(getattr(buffer, "dispatch_with_permute", None), "fuse_permute_dispatch") and (
-        cap.accepts_parameter(getattr(buffer, "combine_with_unpermute", None), "fuse_unpermute_combine")
-    )
-
-
-def with_permute_fusion(config, buffer):
-    """``buffer``, wrapped to fuse permute/unpermute when the config asks and deep_ep can."""
-    if not patch_option(config, "moe_permute_fusion_into_hybridep") or isinstance(buffer, FusedPermuteBuffer):
-        return buffer
-    if not fuses_permute(buffer):
-        warnings.warn(
-            "moe_permute_fusion_into_hybridep is set but the installed deep_ep's HybridEP "
-            "dispatch_with_permute/combine_with_unpermute take no fuse_permute_dispatch/"
-            "fuse_unpermute_combine; permute and unpermute run unfused. Upgrade deep_ep to fuse them.",
-            UserWarning,
-            stacklevel=2,
-        )
-        return buffer
-    return FusedPermuteBuffer(buffer)
-
-
-def ensure_hybridep_buffer(a2a, config, group, hidden_states, num_local_experts) -> None:
-    """Create ``a2a``'s shared HybridEP buffer (as fused_a2a would) with the block counts,
-    wrapped for permute fusion when asked.
+def ensure_hybridep_buffer(a2a, config, exchange, group, hidden_states, num_local_experts) -> None:
+    """Create ``a2a``'s shared HybridEP buffer (as fused_a2a would), with the block counts and
+    wrapped for permute fusion where the plan's ``exchange`` (an ``ExchangeChoice``) says so.
 
     ``a2a`` is the ``fused_a2a`` module (a parameter so tests can pass a stand-in).
-    An existing buffer is kept (only wrapped, once, when the fusion is asked for).
+    An existing buffer is kept (only wrapped, once, for the fusion).
     """
-    if a2a._hybrid_ep_buffer is not None:
-        a2a._hybrid_ep_buffer = with_permute_fusion(config, a2a._hybrid_ep_buffer)
-        return
-    max_tokens, hidden_dim = hidden_states.shape[-2:]
-    a2a._hybrid_ep_buffer = a2a.HybridEPBuffer(
-        group=group,
-        hidden_dim=hidden_dim,
-        max_num_of_tokens_per_rank=max_tokens,
-        num_local_experts=num_local_experts,
-        use_fp8=False,  # HybridEP does not dispatch in FP8
-        num_sms_dispatch_api=config.moe_hybridep_num_sms,
-        num_sms_combine_api=config.moe_hybridep_num_sms,
-        **hybridep_block_kwargs(config, a2a.HybridEPBuffer),
-    )
-    a2a._hybrid_ep_buffer = with_permute_fusion(config, a2a._hybrid_ep_buffer)
+    if a2a._hybrid_ep_buffer is None:
+        max_tokens, hidden_dim = hidden_states.shape[-2:]
+        a2a._hybrid_ep_buffer = a2a.HybridEPBuffer(
+            group=group,
+            hidden_dim=hidden_dim,
+            max_num_of_tokens_per_rank=max_tokens,
+            num_local_experts=num_local_experts,
+            use_fp8=False,  # HybridEP does not dispatch in FP8
+            num_sms_dispatch_api=config.moe_hybridep_num_sms,
+            num_sms_combine_api=config.moe_hybridep_num_sms,
+            **(hybridep_block_kwargs(config) if exchange.hybridep_block_counts else {}),
+        )
+    if exchange.hybridep_permute_fusion and not isinstance(a2a._hybrid_ep_buffer, FusedPermuteBuffer):
+        a2a._hybrid_ep_buffer = FusedPermuteBuffer(a2a._hybrid_ep_buffer)
 
 
 class HybridEPBlocksManager(_HybridEPManager):
@@ -125,6 +76,7 @@ class HybridEPBlocksManager(_HybridEPManager):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._exchange = plan_for(self.config).exchange  # what the buffer is built with, decided once
         self._prepared_buffer = None  # the shared buffer as this manager last prepared it
 
     def dispatch(self, hidden_states, *args, **kwargs):
@@ -132,6 +84,7 @@ class HybridEPBlocksManager(_HybridEPManager):
         # every layer: each manager prepares a buffer once, later dispatches only compare.
         buffer = fused_a2a._hybrid_ep_buffer
         if buffer is None or buffer is not self._prepared_buffer:
-            ensure_hybridep_buffer(fused_a2a, self.config, self.group, hidden_states, self.num_local_experts)
+            ensure_hybridep_buffer(fused_a2a, self.config, self._exchange, self.group, hidden_states,
+                                   self.num_local_experts)
             self._prepared_buffer = fused_a2a._hybrid_ep_buffer
         return super().dispatch(hidden_states, *args, **kwargs)

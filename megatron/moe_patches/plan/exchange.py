@@ -8,8 +8,8 @@ in the config contradicts that flag is a config error, found before any GPU work
 
 With the exchange come the dispatcher's options (``ExchangeChoice``): whether it hands the
 experts device-resident token counts (F8: no host sync, graph-safe), whether it may skip
-sorting the received chunks by local expert, and the alignment it permutes into, which the
-padding decided (``plan/padding.py``). A refused symmetric exchange keeps its reason, which
+sorting the received chunks by local expert, the alignment it permutes into, which the
+padding decided (``plan/padding.py``), and what HybridEP's buffer is built with (F2). A refused symmetric exchange keeps its reason, which
 the CUDA-graph rule repeats (``plan/graphs.py``).
 """
 
@@ -35,7 +35,7 @@ EP1_NOTHING_TO_EXCHANGE = (
 )
 
 
-@dataclass(frozen=True, kw_only=True)  # eight fields: each named where it is built
+@dataclass(frozen=True, kw_only=True)  # many fields: each named where it is built
 class ExchangeChoice:
     name: str  # ALLTOALL (NCCL's all-to-all) | SYMMETRIC_MEMORY | ALLGATHER | FLEX
     reason: Optional[str]  # why not SYMMETRIC_MEMORY where moe_symmetric_exchange asks for it
@@ -48,6 +48,42 @@ class ExchangeChoice:
     # SYMMETRIC_MEMORY: the experts read rows past their groups, so the owners' rows there are
     # zero (else left unwritten: a quarter of the bound's rows at EP 4 are real)
     zero_tail: bool = True
+    # flex + HybridEP (F2): the buffer is built with the configured block counts, and its
+    # dispatch / combine fuse the permute / unpermute, each where asked and deep_ep takes it
+    hybridep_block_counts: bool = False
+    hybridep_permute_fusion: bool = False
+
+
+# F2's config fields -> the HybridEP buffer's constructor arguments
+HYBRIDEP_BLOCK_FIELDS = {
+    "moe_hybridep_num_blocks_permute": "num_blocks_permute",
+    "moe_hybridep_num_blocks_unpermute": "num_blocks_unpermute",
+}
+HYBRIDEP_BLOCKS_NOT_TAKEN = (
+    "moe_hybridep_num_blocks_permute/_unpermute are set but the installed deep_ep's HybridEPBuffer does not "
+    "take num_blocks_permute/num_blocks_unpermute; HybridEP chooses the block counts. Upgrade deep_ep to use them.")
+HYBRIDEP_FUSION_NOT_TAKEN = (
+    "moe_permute_fusion_into_hybridep is set but the installed deep_ep's HybridEP dispatch_with_permute/"
+    "combine_with_unpermute take no fuse_permute_dispatch/fuse_unpermute_combine; permute and unpermute run "
+    "unfused. Upgrade deep_ep to fuse them.")
+
+
+def hybridep_choices(config, notes) -> Tuple[bool, bool]:
+    """(block counts, permute fusion) for the HybridEP buffer: each where the config asks for
+    it (config validation refuses them off HybridEP) and the installed deep_ep takes it; where
+    it does not, a warning note and HybridEP's own behaviour."""
+    if not (config.moe_token_dispatcher_type == FLEX and config.moe_flex_dispatcher_backend == "hybridep"):
+        return False, False
+    wants_blocks = any(patch_option(config, field) is not None for field in HYBRIDEP_BLOCK_FIELDS)
+    wants_fusion = bool(patch_option(config, "moe_permute_fusion_into_hybridep"))
+    if not (wants_blocks or wants_fusion):
+        return False, False
+    takes = cap.hybridep_options()
+    for wanted, taken, refusal in ((wants_blocks, takes.block_counts, HYBRIDEP_BLOCKS_NOT_TAKEN),
+                                   (wants_fusion, takes.permute_fusion, HYBRIDEP_FUSION_NOT_TAKEN)):
+        if wanted and not taken:
+            notes.append((logging.WARNING, refusal))
+    return wants_blocks and takes.block_counts, wants_fusion and takes.permute_fusion
 
 
 def exchange_config_errors(config) -> list:
@@ -126,6 +162,7 @@ def choose_exchange(config, backend, padding: PaddingPlan, notes) -> ExchangeCho
     # One source rank, no TP: sorting chunks by local expert keeps them in place; the
     # symmetric exchange lands rows sorted by local expert already.
     skips_chunk_sort = dispatcher == ALLTOALL and ((device_tokens and one_rank) or name == SYMMETRIC_MEMORY)
+    hybridep_blocks, hybridep_fusion = hybridep_choices(config, notes)
     return ExchangeChoice(
         name=name,
         reason=reason,
@@ -136,4 +173,6 @@ def choose_exchange(config, backend, padding: PaddingPlan, notes) -> ExchangeCho
         contradictions=tuple(exchange_config_errors(config)),
         quantized_rows=padding.quantized_rows,
         zero_tail=name != SYMMETRIC_MEMORY or backend.reads_rows_past_groups(config),
+        hybridep_block_counts=hybridep_blocks,
+        hybridep_permute_fusion=hybridep_fusion,
     )
