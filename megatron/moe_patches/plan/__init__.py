@@ -31,7 +31,7 @@ import dataclasses
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple, Type
+from typing import NamedTuple, Optional, Tuple, Type
 
 import torch
 
@@ -65,7 +65,7 @@ from megatron.moe_patches.plan.padding import choose_padding, fused_permute_pad_
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size, precision_of
 
 __all__ = [
-    "MoEPlan", "make_plan", "plan_for", "fingerprint",
+    "MoEPlan", "BackendSupport", "Note", "make_plan", "plan_for", "fingerprint",
     "FALLBACK", "register_backend", "backend_blocker",
     "fused_permute_pad_blocker", "static_padding_blocker",
     "ALLTOALL", "SYMMETRIC_MEMORY", "ALLGATHER", "FLEX", "EP1_NOTHING_TO_EXCHANGE", "ExchangeChoice",
@@ -77,19 +77,29 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+class BackendSupport(NamedTuple):
+    name: str  # an expert backend's name
+    refusal: Optional[str]  # why it cannot run this config here, or None
+
+
+class Note(NamedTuple):
+    level: int  # logging level
+    line: str  # a fallback from what the config asked for
+
+
 @dataclass(frozen=True)
 class MoEPlan:
     """What a config's MoE layers run here, each refusal with its reason."""
 
     backend: Type[ExpertBackend]  # the experts' compute
-    backend_support: Tuple[Tuple[str, Optional[str]], ...]  # every backend, preferred first: why not, or None
+    backend_support: Tuple[BackendSupport, ...]  # every backend, preferred first
     padding: PaddingPlan  # who pads the routed tokens, to what alignment
     exchange: ExchangeChoice  # the expert-parallel exchange and the dispatcher's options
     single_grouped_refusal: Optional[str]  # why moe_single_grouped_weight/_bias cannot be held, or None
     graph_blocker: Optional[str]  # why the MoE layer cannot be one CUDA graph, or None
     ep_size: int  # the parallel sizes the plan was made for (the config's)
     expert_tp_size: int
-    notes: Tuple[Tuple[int, str], ...]  # (level, line): fallbacks from what the config asked for
+    notes: Tuple[Note, ...]  # fallbacks from what the config asked for
     # gradient_accumulation_fusion: the experts add their weight gradients into main_grad in the GEMM
     wgrad_into_main_grad: bool = False
     # the TE backend hands TE's GroupedLinear the device counts too (m_splits_tensor, F8)
@@ -101,9 +111,9 @@ class MoEPlan:
     triton_kernels: bool = True
 
     @property
-    def backend_refusals(self) -> Tuple[Tuple[str, str], ...]:
+    def backend_refusals(self) -> Tuple[BackendSupport, ...]:
         """(name, reason) of each backend preferred to the chosen one."""
-        names = [name for name, _ in self.backend_support]
+        names = [support.name for support in self.backend_support]
         return self.backend_support[:names.index(self.backend.name)]
 
     def lines(self) -> Tuple[str, ...]:
@@ -137,12 +147,12 @@ class MoEPlan:
         if self.backend.name == "te":
             said.append("TE's GroupedLinear takes the device token counts: "
                         + ("yes" if self.te_device_splits else "no, megatron-core copies them to the host"))
-        return tuple(said) + tuple(f"note: {line}" for _, line in self.notes)
+        return tuple(said) + tuple(f"note: {note.line}" for note in self.notes)
 
     def log_choices(self) -> None:
         """Say, once per process, each fallback from what the config asked for."""
-        for level, line in self.notes:
-            log_once(logger, level, line)
+        for note in self.notes:
+            log_once(logger, note.level, note.line)
 
     def check_parallel_sizes(self, ep: int, expert_tp: int) -> None:
         """The plan's sizes are the config's; a dispatcher's process groups must match them."""
@@ -167,7 +177,7 @@ def make_plan(config, facts: Optional[cap.MachineFacts] = None) -> MoEPlan:
             notes.append((refused.fallback_log_level,
                           f"{refused.requested_by}: not the {refused.name} expert backend because of {reason}"))
     blockers.append((FALLBACK, None))
-    support = tuple((b.name, reason) for b, reason in blockers)
+    support = tuple(BackendSupport(b.name, reason) for b, reason in blockers)
     padding = choose_padding(config, backend, notes)
     exchange = choose_exchange(config, backend, padding, notes)
     wgrad_fused = wgrad_into_main_grad(config, backend, notes)
@@ -180,7 +190,7 @@ def make_plan(config, facts: Optional[cap.MachineFacts] = None) -> MoEPlan:
         graph_blocker=graph_blocker(config, backend, blockers, exchange),
         ep_size=ep_size(config),
         expert_tp_size=expert_tp_size(config),
-        notes=tuple(notes),
+        notes=tuple(Note(*note) for note in notes),  # the rules' (level, line) pairs
         wgrad_into_main_grad=wgrad_fused,
         te_device_splits=te_device_splits(config, backend),
         graph_unit="transformer layer" if captures_whole_layers(config) else "MoE layer",
