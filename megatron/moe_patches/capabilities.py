@@ -170,12 +170,21 @@ class MachineFacts(NamedTuple):
     hybridep: HybridEPOptions
 
 
-def machine_facts() -> MachineFacts:
+def _cuda_capability() -> Optional[Tuple[int, int]]:
     import torch
 
+    if not torch.cuda.is_available():
+        return None
+    try:  # initializes CUDA (no context: nothing lands on a device before the launcher picks one)
+        return tuple(torch.cuda.get_device_capability())
+    except RuntimeError:  # a device torch sees but cannot start counts as none
+        return None
+
+
+def machine_facts() -> MachineFacts:
     version = te_version()
     return MachineFacts(
-        cuda_capability=tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
+        cuda_capability=_cuda_capability(),
         triton=triton_available(),
         te_version=None if version is None else str(version),
         te_device_splits=te_grouped_linear_device_splits(),

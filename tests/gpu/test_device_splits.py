@@ -26,7 +26,7 @@ def bf16_mlp(x, counts, probs, w1, w2, config, b1=None, b2=None):
     groups = f8.RowGroups(counts, x.shape[0], x.device)
     gemm = f8.bf16_grouped_gemm(groups)
     fc1, fc2 = (lambda x_TI: (gemm(None, x_TI, w1), b1)), (lambda x_TI: (gemm(None, x_TI, w2), b2))
-    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config))
+    return f8.grouped_mm_mlp(x, groups, probs, fc1, fc2, glu_spec(config), glu_triton=True)
 
 
 CASES = [  # activation, experts, topk, tokens

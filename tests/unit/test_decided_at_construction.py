@@ -2,6 +2,7 @@
 their forward and dispatch read stored choices and ask ``capabilities`` nothing (issue #47).
 On CPU, with every probe of ``capabilities`` replaced by a counter."""
 
+import logging
 import types
 
 import pytest
@@ -162,14 +163,21 @@ def test_hybridep_dispatch_asks_nothing_after_the_manager_is_built(probes, monke
     monkeypatch.setattr(token_dispatcher, "hybrid_ep_dispatch", object())  # deep_ep "installed"
     monkeypatch.setattr(token_dispatcher._HybridEPManager, "dispatch", lambda self, hidden, *a, **k: hidden)
 
+    said = []
+
     def plan_of(config):  # the plan's exchange, from its rule (these stand-in configs build no whole plan)
-        return types.SimpleNamespace(exchange=choice(*plan_exchange.hybridep_choices(config, [])))
+        notes = []
+        exchange = choice(*plan_exchange.hybridep_choices(config, notes))
+        return types.SimpleNamespace(exchange=exchange, log_choices=lambda: said.extend(notes))
 
     monkeypatch.setattr(hybridep_blocks, "plan_for", plan_of)
     decided = []
     real_patch_option = hybridep_blocks.patch_option
     monkeypatch.setattr(hybridep_blocks, "patch_option", lambda *a: decided.append(a[1:]) or real_patch_option(*a))
     managers = [hybridep_blocks.HybridEPBlocksManager(None, 2, 4, hybridep_config(fuse, blocks)) for _ in range(2)]
+    # the plan's notes (an older deep_ep's refusal) are said when the managers are built
+    assert said == ([(logging.WARNING, plan_exchange.HYBRIDEP_FUSION_NOT_TAKEN)] * 2
+                    if buffer_class is NonFusingBuffer else [])
     assert probes["hybridep_options"] == 2  # once per manager, at construction
     probes.clear()
     decided.clear()

@@ -13,9 +13,10 @@ it lazily inside ``fused_a2a`` with no way to configure it):
   ``fuse_unpermute_combine``), through a thin wrapper around the buffer.
 
 Whether each is passed is the plan's (``ExchangeChoice.hybridep_block_counts`` /
-``hybridep_permute_fusion``: asked for and taken by the installed deep_ep, else one
-warning and the stock call), read when the manager is built; a dispatch only checks that
-the shared buffer is the one it prepared. Upstream: NVIDIA/Megatron-LM#4073 (dev), #4089 (main).
+``hybridep_permute_fusion``: asked for and taken by the installed deep_ep; else the stock
+call and the plan's warning), read, and the plan's notes logged once, when the manager is
+built; a dispatch only checks that the shared buffer is the one it prepared.
+Upstream: NVIDIA/Megatron-LM#4073 (dev), #4089 (main).
 """
 
 from megatron.core.transformer.moe import fused_a2a
@@ -76,7 +77,9 @@ class HybridEPBlocksManager(_HybridEPManager):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._exchange = plan_for(self.config).exchange  # what the buffer is built with, decided once
+        plan = plan_for(self.config)
+        plan.log_choices()  # an older deep_ep's refusals among them (once per process)
+        self._exchange = plan.exchange  # what the buffer is built with, decided once
         self._prepared_buffer = None  # the shared buffer as this manager last prepared it
 
     def dispatch(self, hidden_states, *args, **kwargs):

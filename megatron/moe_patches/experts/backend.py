@@ -98,6 +98,7 @@ class ExpertBackend:
     # (TE's modules and ops do it themselves; F13)
     wgrad_into_main_grad = True
     alignment: Optional[int] = None  # rows per expert under FP8/FP4 where not the recipe's (1: any)
+    runs_package_kernels = False  # computes with this package's Triton kernels (or their PyTorch twins)
     # A mixin whose ``forward`` replaces FC1's and FC2's (TE's grouped linear) for a backend that
     # computes with their parameters itself; None: the stock classes. The backend then calls the
     # modules, and torch runs their forward pre-hooks before the parameters are read.

@@ -192,8 +192,8 @@ def grouped_gemm_into_main_grad(groups: RowGroups, targets):
 
 
 def grouped_mm_mlp(x_TH, groups: RowGroups, probs_T, fc1, fc2, glu: GLUSpec,
-                   glu_amax: Optional[ExpertAmax] = None, glu_quantized_rows: bool = False,
-                   glu_triton: Optional[bool] = None) -> torch.Tensor:
+                   glu_amax: Optional[ExpertAmax] = None, glu_quantized_rows: bool = False, *,
+                   glu_triton: bool) -> torch.Tensor:
     """FC1 (+ bias) -> prob-weighted GLU -> FC2 (+ bias x prob) over all local experts with
     device offsets: the TE experts' math (FC2's bias is scaled by the router prob, as
     megatron-core's TEGroupedMLP applies it). ``fc1``/``fc2`` map [rows, in] rows grouped by
@@ -236,6 +236,7 @@ class GroupedMMBackend(ExpertBackend):
     activation_recompute = False
     holds_single_grouped_params = True
     takes_device_counts = True
+    runs_package_kernels = True
     linear_step = GroupedGemmLinear
     glu_quantized_rows = False  # whether the GLU writes 1x128 FP8 rows for the GEMMs around it
 
@@ -289,4 +290,4 @@ class GroupedMMBackend(ExpertBackend):
         fc1 = functools.partial(experts.linear_fc1, gemm=gemm)
         fc2 = functools.partial(experts.linear_fc2, gemm=gemm)
         return grouped_mm_mlp(x_TH, groups, probs_T, fc1, fc2, self._glu, self.glu_amax(groups),
-                              self.glu_quantized_rows, self._glu_triton), None
+                              self.glu_quantized_rows, glu_triton=self._glu_triton), None

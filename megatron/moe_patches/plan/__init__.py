@@ -18,8 +18,9 @@ validation, the experts' and the dispatchers' construction and the graph capture
 nothing else decides. Each refusal keeps its reason, and what falls back from what the config
 asked for is logged once (``MoEPlan.log_choices``, called where the layer is built).
 
-Process facts (CUDA, the GPU's capability, Triton, Transformer Engine's kernels, DeepGEMM:
-``capabilities.MachineFacts``) are read by the rules; the parallel sizes come from the config (``expert_model_parallel_size``,
+Process facts (CUDA, the GPU's capability, Triton, Transformer Engine's kernels, DeepGEMM,
+deep_ep's HybridEP) are asked of ``capabilities`` by the rules, and ``capabilities.MachineFacts``
+collects them as the cache key; the parallel sizes come from the config (``expert_model_parallel_size``,
 ``expert_tensor_parallel_size``), which the dispatchers check against their process groups.
 
 The plan is cached on the config with a fingerprint of its field values and the machine
@@ -136,8 +137,10 @@ class MoEPlan:
             "single grouped parameters: " + ("can be held" if self.single_grouped_refusal is None
                                              else f"no: {self.single_grouped_refusal}"),
             f"weight gradients into main_grad in the GEMM: {'yes' if self.wgrad_into_main_grad else 'no'}",
-            "kernels: Triton" if self.triton_kernels else "kernels: the PyTorch twins (Triton is not importable)",
         ]
+        if self.backend.runs_package_kernels:
+            said.append("kernels: Triton" if self.triton_kernels
+                        else "kernels: the PyTorch twins (Triton is not importable)")
         if padding.aligned_kernels is not None:
             said.append(f"experts' GEMMs on aligned groups: {padding.aligned_kernels}")
         if self.full_iteration:
