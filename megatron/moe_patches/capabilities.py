@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 from typing import NamedTuple, Optional, Tuple
 
@@ -165,9 +166,16 @@ class MachineFacts(NamedTuple):
     te_device_splits: bool
     te_fused_permute_pad: bool
     te_op_fuser_grouped_mlp: bool
+    te_ops: Tuple[str, ...]  # which of TE_OPS te.pytorch.ops has
+    te_ops_grouped_linear_scale_bias: bool
     te_fused_grouped_mlp_kernel: bool
     deep_gemm_grouped_fp8: bool
     hybridep: HybridEPOptions
+    symmetric_memory: bool  # torch.distributed._symmetric_memory (F12)
+
+
+# The te.pytorch.ops the op-fuser backend builds (F4): its rules ask for each by name.
+TE_OPS = ("GroupedLinear", "ScaledSwiGLU", "ScaledClampedQGeGLU")
 
 
 def _cuda_capability() -> Optional[Tuple[int, int]]:
@@ -190,9 +198,12 @@ def machine_facts() -> MachineFacts:
         te_device_splits=te_grouped_linear_device_splits(),
         te_fused_permute_pad=te_fused_permute_pad(),
         te_op_fuser_grouped_mlp=te_op_fuser_grouped_mlp(),
+        te_ops=tuple(op for op in TE_OPS if te_attr(f"ops.{op}") is not None),
+        te_ops_grouped_linear_scale_bias=te_ops_grouped_linear_has("scale_bias"),
         te_fused_grouped_mlp_kernel=te_fused_grouped_mlp_kernel(),
         deep_gemm_grouped_fp8=deep_gemm_grouped_fp8(),
         hybridep=hybridep_options(),
+        symmetric_memory=importlib.util.find_spec("torch.distributed._symmetric_memory") is not None,
     )
 
 

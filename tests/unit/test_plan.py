@@ -100,6 +100,15 @@ def test_a_changed_fact_of_the_machine_gets_a_new_plan(counted, hopper_node, mon
     assert moe_plan.plan_for(config) is after and len(counted) == 2
 
 
+def test_a_te_op_that_appears_gets_a_new_plan(counted, hopper_node, monkeypatch):
+    """The op-fuser rules ask TE for ops by name: which ones exist is in the key too."""
+    config = built(moe_device_tokens_per_expert=True)
+    before = moe_plan.plan_for(config)
+    te_attr = cap.te_attr
+    monkeypatch.setattr(cap, "te_attr", lambda path: object() if path == "ops.ScaledClampedQGeGLU" else te_attr(path))
+    assert moe_plan.plan_for(config) is not before and len(counted) == 2
+
+
 def test_a_copy_keeps_the_plan_until_it_differs(counted):
     config = built(moe_device_tokens_per_expert=True)
     same, other = copy.copy(config), copy.deepcopy(config)
