@@ -46,11 +46,13 @@ import argparse
 import contextlib
 import functools
 import importlib
+import operator
 import os
 from types import ModuleType
 import sys
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.fields import restore_patch_args
 from megatron.moe_patches.installer import apply, revert, status
 from megatron.moe_patches.registry import MEGATRON_LM_WRAPS
@@ -269,8 +271,6 @@ def check_load_before_start(args: argparse.Namespace) -> None:
     distributed-optimizer states saved in another expert parameter layout (F7's rule)
     end the run with one ``error:`` line and exit status 2 instead of failing after start-up.
     Other checkpoint formats and Megatron-LM's "release" checkpoints are left to Megatron-LM."""
-    from megatron.moe_patches.checkpoint import on_disk
-
     root = getattr(args, "load", None)
     if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist" or _names_a_release(root):
         return
@@ -298,27 +298,19 @@ def check_load_before_start(args: argparse.Namespace) -> None:
         _refuse(error)
 
 
-# The args that give the model's tensors their shapes, as Megatron-LM's validate_args leaves
-# them (derived sizes filled in); query groups count only with --group-query-attention.
-MODEL_SHAPE = {
-    "num_layers": lambda a: a.num_layers,
-    "hidden_size": lambda a: a.hidden_size,
-    "ffn_hidden_size": lambda a: a.ffn_hidden_size,
-    "num_attention_heads": lambda a: a.num_attention_heads,
+# The shape args (``on_disk.MODEL_SHAPE_ARGS``) as Megatron-LM's validate_args leaves them:
+# derived sizes filled in, so each is read as it is, but query groups count only with
+# --group-query-attention.
+_AS_BUILT = {
     "num_query_groups": lambda a: a.num_query_groups if a.group_query_attention else a.num_attention_heads,
-    "kv_channels": lambda a: a.kv_channels,
     "swiglu": lambda a: bool(a.swiglu),
-    "num_experts": lambda a: a.num_experts,
-    "moe_ffn_hidden_size": lambda a: a.moe_ffn_hidden_size,
-    "moe_shared_expert_intermediate_size": lambda a: a.moe_shared_expert_intermediate_size,
 }
+MODEL_SHAPE = {name: _AS_BUILT.get(name, operator.attrgetter(name)) for name in on_disk.MODEL_SHAPE_ARGS}
 
 
 def _check_model_shape(args: argparse.Namespace, path: str) -> None:
     """Refuse a checkpoint whose saved args (Megatron-LM's Namespace) give the model other
     shapes than this run's flags: its load would fail after start-up, tensor by tensor."""
-    from megatron.moe_patches.checkpoint import on_disk
-
     try:
         saved = on_disk.read_common_state(path).get("args")
     except Exception:  # noqa: BLE001 - an unreadable common state: find_checkpoint named it already
@@ -342,8 +334,6 @@ def _check_model_shape(args: argparse.Namespace, path: str) -> None:
 def _names_a_release(root: str) -> bool:
     """Whether the tracker under ``root`` names Megatron-LM's "release" checkpoint (read as
     the driver reads trackers)."""
-    from megatron.moe_patches.checkpoint import on_disk
-
     try:
         return on_disk.tracker_text(root) == "release"
     except on_disk.CheckpointError:

@@ -20,6 +20,14 @@ import re
 import stat
 from typing import List, Optional, Tuple
 
+# The args that fix the shapes of the model's tensors, in the order messages name them: a
+# checkpoint saved with other values holds another model, whose tensors megatron-core refuses
+# only after start-up. Both loops compare them before start-up, each reading its own args.
+# (swiglu: FC1 holds two projections with it.)
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "swiglu", "num_attention_heads",
+                    "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
+                    "moe_shared_expert_intermediate_size")
+
 TRACKER = "latest_checkpointed_iteration.txt"
 # The torch_dist item megatron-core 0.19.2 saves the common state as (a ShardedObject named
 # "common_state", of global shape (1,) at offset (0,), under its unique key); its bytes are

@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
@@ -766,25 +767,21 @@ def _shape_value(values: dict, name: str):
     return MODEL_SHAPE[name](values) if value is None and MODEL_SHAPE[name] is not None else value
 
 
-# The args that fix the shapes of the model's tensors, each with the value the model is built
-# with where it is unset (a function of the other args), or None: unset is no such size (no
-# experts, no shared expert), or, for the required flags, not given (check_args says so).
-# seq_length and the like are not shapes. A checkpoint of other shapes is another model:
-# megatron-core refuses its tensors only after start-up, and loads an embedding table of another
-# vocabulary without a word (the rows both have, the rest zeros).
-MODEL_SHAPE: Dict[str, Optional[Callable[[dict], object]]] = {
-    "num_layers": None,
-    "hidden_size": None,
+# The args that fix the shapes of the model's tensors (``on_disk.MODEL_SHAPE_ARGS``, both loops'
+# list) and the vocabulary, each with the value the model is built with where it is unset (a
+# function of the other args), or None: unset is no such size (no experts, no shared expert),
+# or, for the required flags, not given (check_args says so). A checkpoint of other shapes is
+# another model: megatron-core also loads an embedding table of another vocabulary without a
+# word (the rows both have, the rest zeros).
+_BUILT_WITH_WHEN_UNSET: Dict[str, Callable[[dict], object]] = {
     "ffn_hidden_size": _ffn_default,
-    "swiglu": None,  # FC1 holds two projections with it (and the default FFN size is 2/3)
-    "num_attention_heads": None,
     "num_query_groups": lambda values: values.get("num_attention_heads"),  # unset: one per head
     "kv_channels": _kv_channels_default,
-    "num_experts": None,
     "moe_ffn_hidden_size": lambda values: _shape_value(values, "ffn_hidden_size") if values.get("num_experts") else None,
-    "moe_shared_expert_intermediate_size": None,
-    "vocab_size": None,  # the token ids, end of document included (the embedding table's rows, unpadded)
 }
+# vocab_size: the token ids, end of document included (the embedding table's rows, unpadded)
+MODEL_SHAPE: Dict[str, Optional[Callable[[dict], object]]] = {
+    name: _BUILT_WITH_WHEN_UNSET.get(name) for name in (*on_disk.MODEL_SHAPE_ARGS, "vocab_size")}
 
 
 def _check_model_shape(args: argparse.Namespace, saved: dict, path: str) -> None:
