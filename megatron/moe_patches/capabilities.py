@@ -165,8 +165,7 @@ class MachineFacts(NamedTuple):
     te_version: Optional[str]
     te_device_splits: bool
     te_fused_permute_pad: bool
-    te_op_fuser_grouped_mlp: bool
-    te_ops: Tuple[str, ...]  # which of TE_OPS te.pytorch.ops has
+    te_ops: Tuple[str, ...]  # which of TE_OPS te.pytorch.ops has (the op fuser's probe reads two)
     te_ops_grouped_linear_scale_bias: bool
     te_fused_grouped_mlp_kernel: bool
     deep_gemm_grouped_fp8: bool
@@ -197,7 +196,6 @@ def machine_facts() -> MachineFacts:
         te_version=None if version is None else str(version),
         te_device_splits=te_grouped_linear_device_splits(),
         te_fused_permute_pad=te_fused_permute_pad(),
-        te_op_fuser_grouped_mlp=te_op_fuser_grouped_mlp(),
         te_ops=tuple(op for op in TE_OPS if te_attr(f"ops.{op}") is not None),
         te_ops_grouped_linear_scale_bias=te_ops_grouped_linear_has("scale_bias"),
         te_fused_grouped_mlp_kernel=te_fused_grouped_mlp_kernel(),
@@ -205,7 +203,6 @@ def machine_facts() -> MachineFacts:
         hybridep=hybridep_options(),
         symmetric_memory=importlib.util.find_spec("torch.distributed._symmetric_memory") is not None,
     )
-
 
 
 # --- megatron-core: does it already have a feature natively? ----------------------------
