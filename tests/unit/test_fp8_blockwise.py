@@ -171,3 +171,41 @@ def test_one_forward_derives_its_row_blocks_once_for_both_fcs():
     fp8_blockwise.blockwise_linear(groups, False)
     assert groups._derived["blockwise_row_blocks"] is blocks
     assert blocks.padded_ends_E.tolist() == [256, 256, 512, 640] and blocks.tiles.block_m == 128
+
+
+class _Target:
+    """Stand-in for DDP's parameters: the [E, O, I] weight as one grouped parameter or per expert,
+    each with an fp32 main_grad holding earlier micro-batches' sum."""
+
+    def __init__(self, w, grouped: bool):
+        from megatron.moe_patches.experts.grouped_mm import MainGradTarget
+
+        params = [w.clone()] if grouped else [w[e].clone() for e in range(w.shape[0])]
+        for p in params:
+            p.main_grad = torch.linspace(-1, 1, p.numel()).view(p.shape).float()
+            p.grad_added_to_main_grad = False
+        self.start = [p.main_grad.clone() for p in params]
+        self.params = params
+        self.target = MainGradTarget(params, triton=False)
+
+    def added_EOI(self):
+        return torch.stack([g for p, s in zip(self.params, self.start)
+                            for g in (p.main_grad - s).reshape(-1, *p.shape[-2:]).unbind(0)])
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per-expert"])
+def test_under_gradient_accumulation_fusion_the_wgrad_goes_into_main_grad(fp8_wgrad, grouped):
+    """F13 with the FP8 experts: the weight gradient is added into main_grad (in fp32, from the
+    same FP8 or bf16 operands) and autograd gets a placeholder that DDP's hook skips."""
+    x, w, dy, groups = case(seed=2)
+    _, dx_unfused, dw_unfused = run(x, w, dy, groups, fp8_wgrad)
+    sink = _Target(w, grouped)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_blockwise.blockwise_linear(groups, fp8_wgrad)(xg, wg, bq.quantize_weight_tiles(w), target=sink.target)
+    y.backward(dy)
+    assert torch.equal(xg.grad, dx_unfused)  # the data gradient does not change
+    assert all(p.grad_added_to_main_grad for p in sink.params)
+    assert wg.grad is not None and wg.grad.shape == w.shape  # the placeholder
+    # the unfused gradient rounded to bf16 once; the fused one stayed fp32
+    torch.testing.assert_close(sink.added_EOI(), dw_unfused.float(), rtol=2.0**-7, atol=1e-3)

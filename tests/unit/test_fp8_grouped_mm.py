@@ -319,9 +319,9 @@ def test_fc2_is_scaled_by_the_glu_output_amax_and_fc1_by_its_input_gradient_amax
         gemm(linear, None, grouped_param(linear))
     amax = backend.glu_amax(groups)
     if recipe == "blockwise":
-        assert amax is None and calls == {0: {}, 1: {}}
+        assert amax is None and calls == {0: {"target": None}, 1: {"target": None}}
     else:
         assert amax is backend.glu_amax(groups)  # one per forward: the GLU writes what the FCs read
-        assert calls[0].keys() == {"dy_amax_E"} and calls[0]["dy_amax_E"] is amax.input_grad_E
-        assert calls[1].keys() == {"x_amax_E"} and calls[1]["x_amax_E"] is amax.output_E
+        assert calls[0].keys() == {"dy_amax_E", "target"} and calls[0]["dy_amax_E"] is amax.input_grad_E
+        assert calls[1].keys() == {"x_amax_E", "target"} and calls[1]["x_amax_E"] is amax.output_E
         assert torch.equal(amax.expert_T, torch.tensor([0, 0, 0, 1], dtype=torch.int32))

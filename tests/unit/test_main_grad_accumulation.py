@@ -61,14 +61,19 @@ def test_apply_binds_the_apex_functions_where_megatron_core_looks_and_revert_rem
     assert installs("F13")
 
 
-def test_the_plan_fuses_for_grouped_mm_and_says_why_not_for_fp8():
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_the_plan_fuses_for_grouped_mm_and_for_the_fp8_experts(monkeypatch, recipe):
+    from megatron.moe_patches import capabilities as cap
+
     assert moe_plan.plan_for(cfg(gradient_accumulation_fusion=True)).wgrad_into_main_grad
     assert not moe_plan.plan_for(cfg(gradient_accumulation_fusion=False)).wgrad_into_main_grad
-    fp8 = cfg(gradient_accumulation_fusion=True, fp8="e4m3", fp8_recipe="tensorwise")
+    monkeypatch.setattr(cap, "triton_available", lambda: True)  # where the FP8 experts run
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *a, **k: None, raising=False)
+    fp8 = cfg(gradient_accumulation_fusion=True, fp8="e4m3", fp8_recipe=recipe, hidden_size=128,
+              moe_ffn_hidden_size=128)
     plan = moe_plan.plan_for(fp8)
-    if plan.backend.name == "fp8_grouped_mm":
-        assert not plan.wgrad_into_main_grad
-        assert any("gradient_accumulation_fusion" in line for _, line in plan.notes)
+    assert plan.backend.name == "fp8_grouped_mm" and plan.wgrad_into_main_grad
+    assert not any("gradient_accumulation_fusion" in line for _, line in plan.notes)
 
 
 def _twin_experts(config, counts, main_grads, seed=3):

@@ -29,8 +29,11 @@ Off CUDA the same arithmetic runs through the kernels' PyTorch twins (tests).
 Needs hidden and expert FFN sizes that are multiples of 128 (whole 128x128 weight tiles).
 """
 
+from typing import Optional
+
 import torch
 
+from megatron.moe_patches.experts.grouped_mm import MainGradTarget, bf16_wgrad, computed_wgrad
 from megatron.moe_patches.kernels import deep_gemm_grouped
 from megatron.moe_patches.kernels import fp8_grouped_gemm as gemms
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import (
@@ -56,19 +59,24 @@ def grouped_nt_kernel(aligned_groups: bool):
     return deep_gemm_grouped_nt if aligned_groups else triton_grouped_nt
 
 
-def _grouped_wgrad(dy, x, out_dtype):
-    """dW_EOI from the token-major FP8 copies of the output gradient and the input."""
-    gemm = gemms.fp8_grouped_wgrad if dy.data_CP.is_cuda else gemms.fp8_grouped_wgrad_reference
-    return gemm(dy.data_CP, x.data_CP, x.padded_ends_E, dy.scale_inv_CPt, x.scale_inv_CPt, "blockwise",
-                out_dtype=out_dtype)
+def _grouped_wgrad(dy, x, out_dtype, accumulate_into=None):
+    """dW_EOI from the token-major FP8 copies of the output gradient and the input; on CUDA
+    added into ``accumulate_into`` (fp32 [E, O, I]) in place where given (and returned)."""
+    if not dy.data_CP.is_cuda:  # the twin returns a new sum: the caller adds it
+        return gemms.fp8_grouped_wgrad_reference(dy.data_CP, x.data_CP, x.padded_ends_E, dy.scale_inv_CPt,
+                                                 x.scale_inv_CPt, "blockwise", out_dtype=out_dtype)
+    return gemms.fp8_grouped_wgrad(dy.data_CP, x.data_CP, x.padded_ends_E, dy.scale_inv_CPt, x.scale_inv_CPt,
+                                   "blockwise", out_dtype=out_dtype, accumulate_into=accumulate_into)
 
 
 class _BlockwiseGroupedLinear(torch.autograd.Function):
     """y_TO = x_TI @ w_EOI[expert(row)]^T, blockwise FP8 for fprop and dgrad, and for wgrad
-    unless ``fp8_wgrad`` is off (then bf16)."""
+    unless ``fp8_wgrad`` is off (then bf16); ``target``: the weights' main_grad under
+    gradient_accumulation_fusion (F13), which the wgrad then adds into."""
 
     @staticmethod
-    def forward(ctx, x_TI, w_EOI, ends_E, blocks: RowBlocks, weights: WeightTiles, fp8_wgrad: bool, grouped_nt):
+    def forward(ctx, x_TI, w_EOI, ends_E, blocks: RowBlocks, weights: WeightTiles, fp8_wgrad: bool, grouped_nt,
+                target: Optional[MainGradTarget]):
         fp8_wgrad = fp8_wgrad and w_EOI.requires_grad
         # wgrad's input: the token-major FP8 copy (only FP8 is kept), or the bf16 rows
         ctx.x_saved = None
@@ -78,8 +86,8 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
             x8_TI, sx_TIt = take_quantized_rows(x_TI) or quantize_rows(x_TI)
         y_TO = grouped_nt(x8_TI, weights.w8_ENK, ends_E, sx_TIt, weights.scale_inv_ENtKt, blocks).to(x_TI.dtype)
         ctx.save_for_backward(ends_E, None if fp8_wgrad else x_TI)
-        ctx.blocks, ctx.weights, ctx.fp8_wgrad, ctx.w_dtype = blocks, weights, fp8_wgrad, w_EOI.dtype
-        ctx.grouped_nt = grouped_nt
+        ctx.blocks, ctx.weights, ctx.fp8_wgrad, ctx.w_EOI = blocks, weights, fp8_wgrad, w_EOI
+        ctx.grouped_nt, ctx.target = grouped_nt, target
         return y_TO
 
     @staticmethod
@@ -96,17 +104,19 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
             dx_TI = ctx.grouped_nt(dy8_TO, weights.w8_EKN, ends_E, sdy_TOt, weights.scale_inv_EKtNt,
                                    ctx.blocks).to(dy_TO.dtype)
         if ctx.fp8_wgrad:
-            dw_EOI = _grouped_wgrad(dy_tokens, ctx.x_saved, ctx.w_dtype)
+            x_saved = ctx.x_saved
+            dw_EOI = computed_wgrad(lambda dtype, into: _grouped_wgrad(dy_tokens, x_saved, dtype, into),
+                                    ctx.w_EOI, ctx.target)
         elif ctx.needs_input_grad[1]:
-            dw_EOI = torch._grouped_mm(dy_TO.t(), x_TI, offs=ends_E)
-        ctx.x_saved = None
-        return dx_TI, dw_EOI, None, None, None, None, None
+            dw_EOI = bf16_wgrad(x_TI, dy_TO, ends_E, ctx.w_EOI, ctx.target)
+        ctx.x_saved = ctx.w_EOI = None
+        return dx_TI, dw_EOI, None, None, None, None, None, None
 
 
 def blockwise_linear(groups, fp8_wgrad: bool, grouped_nt=triton_grouped_nt):
     """(x_TI, w_EOI, weights) -> y_TO over ``groups``' rows; ``weights`` is the FC's cached
     ``WeightTiles``; fprop and dgrad run ``grouped_nt`` (``grouped_nt_kernel``). The row tiles
-    and token-major ends are derived once per forward."""
+    and token-major ends are derived once per forward; ``target``: as ``_BlockwiseGroupedLinear``'s."""
     blocks = groups.derived("blockwise_row_blocks", lambda g: row_blocks(g.offsets_E, g.num_rows))
-    return lambda x_TI, w_EOI, weights: _BlockwiseGroupedLinear.apply(
-        x_TI, w_EOI, groups.offsets_E, blocks, weights, fp8_wgrad, grouped_nt)
+    return lambda x_TI, w_EOI, weights, target=None: _BlockwiseGroupedLinear.apply(
+        x_TI, w_EOI, groups.offsets_E, blocks, weights, fp8_wgrad, grouped_nt, target)

@@ -52,7 +52,8 @@ import torch
 from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts import fp8_blockwise
 from megatron.moe_patches.experts.backend import FP8
-from megatron.moe_patches.experts.grouped_mm import GroupedMMBackend, RowGroups, grouped_param, weight_params
+from megatron.moe_patches.experts.grouped_mm import (
+    GroupedMMBackend, MainGradTarget, RowGroups, bf16_wgrad, computed_wgrad, grouped_param, weight_params)
 from megatron.moe_patches.kernels import deep_gemm_grouped
 from megatron.moe_patches.kernels.expert_amax import expert_amax_reference, triton_expert_max
 from megatron.moe_patches.kernels.fp8_blockwise_quantize import quantize_weight_tiles, written_into
@@ -325,7 +326,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TI, w_EOI, offsets_E, expert_T, weights: TensorwiseWeights, columns: Optional[PaddedColumns],
-                x_amax_E: Optional[torch.Tensor], dy_amax_E: Optional[torch.Tensor]):
+                x_amax_E: Optional[torch.Tensor], dy_amax_E: Optional[torch.Tensor], target: Optional[MainGradTarget]):
         experts, out_features, in_features = w_EOI.shape
         fp8_wgrad = columns is not None and w_EOI.requires_grad
         x8_TI, x_scale_inv_T, x_scale_inv_E, x8_IP = quantize_per_expert(
@@ -336,7 +337,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         )
         # wgrad's input: the FP8 transposed copy, or the bf16 rows
         ctx.save_for_backward(x8_IP if fp8_wgrad else x_TI, x_scale_inv_E, offsets_E, expert_T)
-        ctx.weights, ctx.columns, ctx.fp8_wgrad, ctx.w_dtype = weights, columns, fp8_wgrad, w_EOI.dtype
+        ctx.weights, ctx.columns, ctx.fp8_wgrad, ctx.w_EOI, ctx.target = weights, columns, fp8_wgrad, w_EOI, target
         ctx.dy_amax_E = dy_amax_E  # written by the kernel that computes dy (the GLU's backward), before this backward
         return y_TO
 
@@ -356,16 +357,18 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 dy8_TO, weights.w8_EIO.transpose(1, 2), dy_scale_inv_T, _expand(weights.scale_inv_E, in_features),
                 offs=offsets_E, out_dtype=dy_TO.dtype, use_fast_accum=True,
             )
+        w_EOI, ctx.w_EOI = ctx.w_EOI, None
         if fp8_wgrad:
             # K = the expert's tokens, up to thousands: accumulate in full precision, as TE does.
-            dw_EOI = torch._scaled_grouped_mm(
+            # torch's FP8 grouped GEMM writes bf16 only: under F13 its result is added to main_grad.
+            dw_EOI = computed_wgrad(lambda dtype, into: torch._scaled_grouped_mm(
                 dy8_OP, x_saved.t(), _expand(dy_scale_inv_E, out_features).view(-1),
-                _expand(x_scale_inv_E, in_features).view(-1), offs=columns.offsets_E, out_dtype=ctx.w_dtype,
+                _expand(x_scale_inv_E, in_features).view(-1), offs=columns.offsets_E, out_dtype=w_EOI.dtype,
                 use_fast_accum=False,
-            )
+            ), w_EOI, ctx.target)
         elif ctx.needs_input_grad[1]:
-            dw_EOI = torch._grouped_mm(dy_TO.t(), x_saved, offs=offsets_E)
-        return dx_TI, dw_EOI, None, None, None, None, None, None
+            dw_EOI = bf16_wgrad(x_saved, dy_TO, offsets_E, w_EOI, ctx.target)
+        return dx_TI, dw_EOI, None, None, None, None, None, None, None
 
 
 def tensorwise_linear(groups: RowGroups, fp8_wgrad: bool):
@@ -376,8 +379,8 @@ def tensorwise_linear(groups: RowGroups, fp8_wgrad: bool):
     columns = None
     if fp8_wgrad:
         columns = groups.derived("fp8_wgrad_columns", lambda g: PaddedColumns(g.offsets_E, g.num_rows))
-    return lambda x_TI, w_EOI, weights, x_amax_E=None, dy_amax_E=None: _FP8GroupedLinear.apply(
-        x_TI, w_EOI, groups.offsets_E, groups.expert_T, weights, columns, x_amax_E, dy_amax_E)
+    return lambda x_TI, w_EOI, weights, x_amax_E=None, dy_amax_E=None, target=None: _FP8GroupedLinear.apply(
+        x_TI, w_EOI, groups.offsets_E, groups.expert_T, weights, columns, x_amax_E, dy_amax_E, target)
 
 
 class FP8Recipe(NamedTuple):
@@ -401,6 +404,7 @@ RECIPES = {
                            grouped_nt=fp8_blockwise.grouped_nt_kernel),
 }
 DEEP_GEMM_KERNELS = "DeepGEMM's blockwise FP8 grouped GEMMs for fprop and dgrad"
+DEEP_GEMM_INSTALL = "pip install 'megatron-moe-patches[deepgemm]' (PyPI's sgl-deep-gemm wheel, CUDA 13)"
 BLOCKWISE_SIZES = ("hidden_size", "moe_ffn_hidden_size")  # each FC's in and out features
 
 
@@ -415,7 +419,6 @@ class FP8GroupedMMBackend(GroupedMMBackend):
     precision_note = "bf16 runs the grouped_mm backend"
     fp8_recipes = tuple(RECIPES)
     alignment = 1  # the FP8 grouped GEMMs take any rows per expert: nobody pads
-    wgrad_into_main_grad = False  # its weight gradients come back from its own autograd functions
 
     @classmethod
     def reads_rows_past_groups(cls, config) -> bool:
@@ -445,6 +448,13 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         if recipe is None or recipe.grouped_nt is None or not cap.deep_gemm_grouped_fp8():
             return None, None
         return deep_gemm_grouped.GROUP_ALIGN, DEEP_GEMM_KERNELS
+
+    @classmethod
+    def kernels_to_install(cls, config) -> Optional[str]:
+        if config.fp8_recipe != "blockwise" or cap.deep_gemm_grouped_fp8():
+            return None
+        return (f"blockwise FP8 runs fprop and dgrad on this package's Triton kernels; {DEEP_GEMM_KERNELS} run "
+                f"them 1.6-2x faster: {DEEP_GEMM_INSTALL}")
 
     @classmethod
     def quantized_rows(cls, config) -> bool:
@@ -489,7 +499,10 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         # FC2 reads the GLU's output; FC1's output gradient is the GLU's input gradient
         gathered = {} if amax is None else {fc1: {"dy_amax_E": amax.input_grad_E}, fc2: {"x_amax_E": amax.output_E}}
 
+        targets = self.main_grad_targets or {}  # F13: the weight gradients go into main_grad
+
         def fp8_gemm(linear, x_TI, w_EOI):
-            return linear_step(x_TI, w_EOI, self._caches[linear].get(linear, w_EOI).weights, **gathered.get(linear, {}))
+            return linear_step(x_TI, w_EOI, self._caches[linear].get(linear, w_EOI).weights,
+                               target=targets.get(linear), **gathered.get(linear, {}))
 
         return fp8_gemm

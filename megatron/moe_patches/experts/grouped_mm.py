@@ -142,10 +142,53 @@ class MainGradTarget:
             grads.extend(main_grad.unbind(0) if main_grad.dim() == 3 else (main_grad,))
         return grads
 
+    def grouped_main_grad(self):
+        """The one fp32 [E, out, in] main_grad where the FC holds a single grouped weight (a GEMM
+        can add into it in place), else None."""
+        if len(self.params) == 1:
+            main_grad = getattr(self.params[0], "main_grad", None)
+            if main_grad is not None and main_grad.dim() == 3:
+                return main_grad
+        return None
+
     def accumulate(self, x_TI, dy_TO, offsets_E) -> None:
+        """main_grad += the bf16 rows' weight gradient, in one GEMM (F13's kernel)."""
         grouped_wgrad_into_main_grad(x_TI, dy_TO, offsets_E, self.main_grads_E(), self.table)
+        self.mark_added()
+
+    def add(self, dw_EOI: torch.Tensor) -> None:
+        """main_grad += a weight gradient computed apart (one fused add over the experts)."""
+        torch._foreach_add_(self.main_grads_E(), list(dw_EOI.unbind(0)))
+        self.mark_added()
+
+    def mark_added(self) -> None:
         for p in self.params:
             p.grad_added_to_main_grad = True  # DDP's hook then skips the placeholder gradient
+
+
+def bf16_wgrad(x_TI, dy_TO, offsets_E, w_EOI, target: Optional[MainGradTarget]) -> torch.Tensor:
+    """The weight gradient a grouped linear's backward returns, from bf16 rows: computed
+    (one torch._grouped_mm), or added into ``target``'s main_grad and a placeholder returned."""
+    if target is None:
+        return torch._grouped_mm(dy_TO.t(), x_TI, offs=offsets_E)
+    target.accumulate(x_TI, dy_TO, offsets_E)
+    return _placeholder_grad(w_EOI)
+
+
+def computed_wgrad(compute, w_EOI, target: Optional[MainGradTarget]) -> torch.Tensor:
+    """The weight gradient a grouped linear's backward returns where its own GEMM computes it
+    (FP8 wgrad): ``compute(out_dtype, accumulate_into)`` -> [E, out, in]. Without ``target``, in
+    the weights' dtype; with it, added into main_grad (in place by the GEMM where main_grad is
+    one grouped tensor and the GEMM takes it, else in fp32 and added) and a placeholder returned."""
+    if target is None:
+        return compute(w_EOI.dtype, None)
+    into = target.grouped_main_grad()
+    dw_EOI = compute(torch.float32, into)
+    if dw_EOI is into:
+        target.mark_added()
+    else:
+        target.add(dw_EOI)
+    return _placeholder_grad(w_EOI)
 
 
 def _placeholder_grad(w_EOI: torch.Tensor) -> torch.Tensor:
@@ -177,10 +220,7 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
         x_TI, w_EOI, offsets_E = ctx.saved_tensors
         dy_TO = dy_TO.contiguous()
         dx_TI = torch._grouped_mm(dy_TO, w_EOI, offs=offsets_E) if ctx.needs_input_grad[0] else None
-        dw_EOI = None
-        if ctx.needs_input_grad[1]:
-            ctx.target.accumulate(x_TI, dy_TO, offsets_E)
-            dw_EOI = _placeholder_grad(w_EOI)
+        dw_EOI = bf16_wgrad(x_TI, dy_TO, offsets_E, w_EOI, ctx.target) if ctx.needs_input_grad[1] else None
         return dx_TI, dw_EOI, None, None
 
 

@@ -23,6 +23,9 @@ from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size
 MOE_SCOPE = frozenset({"moe"})
 WHOLE_LAYER_SCOPES = (frozenset(), frozenset({"attn", "moe"}))
 FULL_ITERATION = "full_iteration"
+# FP8 recipes whose scales the kernels compute on the device from the tensor at hand (TE's
+# current scaling, blockwise): a whole layer under them replays without TE's host state.
+GRAPHED_FP8_RECIPES = ("tensorwise", "blockwise")
 
 
 def graphs_dropless_moe(config) -> bool:
@@ -128,9 +131,12 @@ def _host_counts_blocker(backend, blockers) -> Optional[str]:
 
 def _whole_layer_blocker(config) -> Optional[str]:
     """What the attention around the MoE layer adds when the whole layer is one graph."""
-    if config.fp8 or getattr(config, "fp4", None):
-        return ("FP8 (or FP4) in the attention's Transformer Engine layers keeps TE's state, which this capture "
-                "does not manage (it refreshes the experts' FP8 weights only): use --cuda-graph-scope moe")
+    if getattr(config, "fp4", None):
+        return "FP4 in the attention's Transformer Engine layers (not verified inside the captured layer)"
+    if config.fp8 and config.fp8_recipe not in GRAPHED_FP8_RECIPES:
+        return (f"--fp8-recipe {config.fp8_recipe}: its scales live in Transformer Engine's host-updated state, "
+                f"which a replayed layer would not update; use --fp8-recipe {' or '.join(GRAPHED_FP8_RECIPES)}, "
+                "or --cuda-graph-scope moe")
     if config.attention_dropout or config.hidden_dropout:
         return ("dropout inside the captured layer (--attention-dropout, --hidden-dropout): that its random "
                 "numbers are new at every replay is not verified yet; set both to 0, or use --cuda-graph-scope moe")
