@@ -14,6 +14,7 @@ missing: an override of a renamed method would otherwise silently stop applying.
 import importlib
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
@@ -131,6 +132,10 @@ def _feature_items(features) -> Iterable:
     str nor an iterable of entries (an int; bytes, which iterate as ints)."""
     if isinstance(features, str):  # iterating "F4" would give "F" and "4"
         return features.split(",")
+    if isinstance(features, Mapping):  # iterating {"F4": False} would give "F4": its value ignored
+        raise TypeError(f"features: got {type(features).__name__} {shown(repr(features))}; a mapping is not taken "
+                        f"(its keys would be selected whatever their values say): pass {FEATURES_ACCEPTED} "
+                        f"(the series: {_series_ids()})")
     if not isinstance(features, (bytes, bytearray)):
         try:
             return iter(features)

@@ -270,11 +270,15 @@ def check_load_before_start(args: argparse.Namespace) -> None:
     saved args that give the model other shapes (without --use-checkpoint-args), and
     distributed-optimizer states saved in another expert parameter layout (F7's rule)
     end the run with one ``error:`` line and exit status 2 instead of failing after start-up.
-    Other checkpoint formats and Megatron-LM's "release" checkpoints are left to Megatron-LM."""
+    Other checkpoint formats and Megatron-LM's "release" checkpoints are left to Megatron-LM (a
+    "release" tracker without its release/ folder is refused)."""
     root = getattr(args, "load", None)
-    if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist" or _names_a_release(root):
+    if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
         return
     try:
+        if _names_a_release(root):
+            _check_release_folder(root)
+            return
         step = getattr(args, "ckpt_step", None)
         if step is not None:
             path = on_disk.iteration_dir(root, step)
@@ -338,6 +342,17 @@ def _names_a_release(root: str) -> bool:
         return on_disk.tracker_text(root) == "release"
     except on_disk.CheckpointError:
         return False  # find_checkpoint names the error
+
+
+def _check_release_folder(root: str) -> None:
+    """Megatron-LM loads a "release" tracker's checkpoint from ``root``/release, which it reads
+    its own way; a missing folder would fail its load after start-up."""
+    release = os.path.join(root, "release")
+    if not os.path.isdir(release):
+        raise on_disk.CheckpointError(
+            f"--load {root}: the checkpoint tracker {os.path.join(root, on_disk.TRACKER)} names Megatron-LM's release "
+            f"checkpoint, but {release} is not a directory: put the release checkpoint there, or write the iteration "
+            "of a saved checkpoint into the tracker")
 
 
 def _refuse(error: Exception) -> None:

@@ -36,6 +36,31 @@ def test_hybridep_options_read_megatron_cores_buffer_class(monkeypatch):
     assert cap.hybridep_options() == (False, False)
 
 
+def test_hybridep_options_need_both_halves_of_each_pair():
+    """A buffer that takes one of two block counts, or fuses the permute into dispatch but not the
+    unpermute into combine, takes neither option (issue 57: ``any`` passed for ``all``)."""
+
+    class HalfBuffer:
+        def __init__(self, group, hidden_dim, num_blocks_permute=None):
+            pass
+
+        def dispatch_with_permute(self, hidden, fuse_permute_dispatch=False):
+            pass
+
+        def combine_with_unpermute(self, hidden):
+            pass
+
+    class WholeBuffer(HalfBuffer):
+        def __init__(self, group, hidden_dim, num_blocks_permute=None, num_blocks_unpermute=None):
+            pass
+
+        def combine_with_unpermute(self, hidden, fuse_unpermute_combine=False):
+            pass
+
+    assert cap.hybridep_options(HalfBuffer) == (False, False)
+    assert cap.hybridep_options(WholeBuffer) == (True, True)
+
+
 def test_mcore_version_and_range():
     from packaging.version import Version
 

@@ -241,6 +241,10 @@ def test_log_params_norm_flag(parsed):
     (["--train-samples", "400", "--global-batch-size", "8", "--rampup-batch-size", "3", "1", "100"],
      "--rampup-batch-size 3 1 100: the ramp-up reaches a global batch size of 3, not a multiple of "
      "--micro-batch-size x data-parallel size = 2"),
+    # micro-batches of 2: the ramp 2, 5, 8 starts even; its second size is not (issue 57: only the first was checked)
+    (["--train-samples", "400", "--global-batch-size", "8", "--rampup-batch-size", "2", "3", "100"],
+     "--rampup-batch-size 2 3 100: the ramp-up reaches a global batch size of 5, not a multiple of "
+     "--micro-batch-size x data-parallel size = 2"),
     (["--train-iters", "5", "--eval-iters", "4"], "--eval-iters 4 needs --eval-interval"),
     (["--train-iters", "5", "--eval-interval", "2", "--split", "99,0,1"],
      "--eval-interval 2 with --split 99,0,1: the validation split (the second weight) is empty"),

@@ -14,6 +14,8 @@ SERIES = "the series: C0, F1,"
     (b"F4", TypeError, "features: got bytes b'F4'; expected None"),
     ([None], TypeError, "features[0]: got NoneType None; expected a feature id string"),
     (["C0", 3], TypeError, "features[1]: got int 3; expected a feature id string"),
+    ({"F4": False}, TypeError, "features: got dict {'F4': False}; a mapping is not taken (its keys would be "
+                               "selected whatever their values say): pass None (the whole series)"),
 ])
 def test_features_of_the_wrong_type_are_refused_by_name(call, features, error, message, reverted):
     with pytest.raises(error) as caught:
@@ -33,4 +35,11 @@ def test_unknown_feature_is_a_value_error_and_a_key_error(call, reverted):
 def test_a_refused_list_installs_nothing(reverted):
     with pytest.raises(TypeError):
         apply(["C0", None])
+    assert not installer._applied
+
+
+def test_a_mapping_installs_nothing(reverted):
+    """apply({"F4": False}) iterated the dict's keys and installed F4 (issue 57)."""
+    with pytest.raises(TypeError, match="features: got dict"):
+        apply({"F4": False})
     assert not installer._applied

@@ -61,8 +61,6 @@ DAMAGES = {
                                   "(its common state cannot be read ("),
     "common.pt cut short": (lambda p: (p / "common.pt").write_bytes(common_bytes({"iteration": 4})[:120]),
                             "(its common state cannot be read (RuntimeError: PytorchStreamReader"),
-    "common.pt the load refuses": (lambda p: torch.save({"iteration": 4, "args": NotAllowed()}, p / "common.pt"),
-                                   "(its common state cannot be read (UnpicklingError: Unsupported global"),
     "common.pt not a dict": (lambda p: torch.save([4], p / "common.pt"), "(its common state is a list, not a dict)"),
     "no common.pt": (lambda p: (p / "common.pt").unlink(), "(no common.pt (its common state"),
     "no metadata.json": (lambda p: (p / "metadata.json").unlink(),
@@ -112,6 +110,18 @@ def test_an_incomplete_checkpoint_is_refused_naming_what_is_wrong(tmp_path, dama
 def test_every_flag_set_gets_the_check(tmp_path, damage, flags, refused):
     root = damaged_root(tmp_path, damage)
     assert refused([*REQUIRED, "--load", str(root), *flags]).startswith(refusal_start(root))
+
+
+def test_a_common_state_the_load_refuses_is_refused_by_name_not_as_incomplete(tmp_path, refused):
+    """A common.pt naming a type megatron-core does not allow is no cut-short save: it is refused
+    unread, naming the file and the type (not resumed from an older iteration)."""
+    root = damaged_root(tmp_path, "empty folder")
+    checkpoint_files.complete_iteration(root / "iter_0000004", {"iteration": 4, "args": NotAllowed()})
+    file = root / "iter_0000004" / "common.pt"
+    assert refused([*REQUIRED, "--load", str(root)]) == (
+        f"{file} is not safe to load: it needs {NotAllowed.__module__}.NotAllowed, which no megatron-core "
+        "checkpoint holds, so it was not read (reading it could run code); point --load at a checkpoint saved by "
+        "megatron-core, or load it with the version that saved it")
 
 
 def test_a_tracker_naming_a_missing_folder(tmp_path, refused):

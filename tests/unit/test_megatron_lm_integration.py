@@ -201,8 +201,10 @@ def test_moe_graphs_at_ep_pass_megatron_lms_inference_padding_rule(fake_training
         return
     assert fake_training.initialize.initialize_megatron(args) is args
     assert args.moe_pad_experts_for_cuda_graph_inference is False
+    args.moe_pad_experts_for_cuda_graph_inference = True  # given at EP 2: kept (issue 57: it was reset)
+    fake_training.initialize.initialize_megatron(args)
+    assert args.moe_pad_experts_for_cuda_graph_inference is True
     args.expert_model_parallel_size = 1
-    args.moe_pad_experts_for_cuda_graph_inference = True  # given: kept
     fake_training.initialize.initialize_megatron(args)
     assert args.moe_pad_experts_for_cuda_graph_inference is True
 

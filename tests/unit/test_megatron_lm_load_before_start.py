@@ -93,6 +93,7 @@ def test_what_megatron_lm_reads_its_own_way_is_left_to_it(tmp_path, capsys, init
     release = tmp_path / "release-ckpt"
     release.mkdir()
     (release / "latest_checkpointed_iteration.txt").write_text("release\n")
+    (release / "release").mkdir()
     assert initialize(capsys, load=str(release)) is None
     broken = checkpoint_files.checkpoint_root(tmp_path / "ckpt", iteration=4)
     shutil.rmtree(broken / "iter_0000004")
@@ -145,3 +146,15 @@ def test_a_tracker_that_is_a_pipe_is_refused_without_reading_it(tmp_path, capsys
     assert line == (f"--load {root}: the checkpoint tracker {root / 'latest_checkpointed_iteration.txt'} is not a "
                     "regular file: make it a file holding the iteration to resume from (e.g. 100 for iter_0000100), "
                     "or point --load elsewhere")
+
+
+def test_a_release_tracker_without_a_release_folder_is_refused(tmp_path, capsys, initialize):
+    """Megatron-LM loads a "release" tracker's checkpoint from release/: without that folder
+    its load fails after start-up (issue 57)."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "latest_checkpointed_iteration.txt").write_text("release\n")
+    assert initialize(capsys, load=str(root)) == (
+        f"--load {root}: the checkpoint tracker {root / 'latest_checkpointed_iteration.txt'} names Megatron-LM's "
+        f"release checkpoint, but {root / 'release'} is not a directory: put the release checkpoint there, or "
+        "write the iteration of a saved checkpoint into the tracker")

@@ -68,6 +68,7 @@ REFUSALS = [
     (dict(moe_token_dispatcher_type="flex"), "the flex dispatcher"),
     (dict(moe_permute_fusion=False), "set --moe-permute-fusion"),
     (dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps"),
+    (dict(moe_router_force_load_balancing=True), "--moe-router-force-load-balancing"),
     (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True), "--moe-shared-expert-overlap"),
     (dict(activation_func=torch.nn.functional.gelu, gated_linear_unit=False),
      "the te expert backend takes host token counts"),
@@ -367,6 +368,8 @@ GRAPH_TABLE = [  # the refusal, word for word: another row's reason must not pas
     ("router padding", dict(moe_router_padding_for_quantization=True),
      "--moe-router-padding-for-quantization sizes the routing map on the host"),
     ("input jitter", dict(moe_input_jitter_eps=0.01), "--moe-input-jitter-eps draws random numbers inside the layer"),
+    ("forced load balancing", dict(moe_router_force_load_balancing=True),
+     "--moe-router-force-load-balancing draws random numbers inside the layer (random router logits)"),
     ("shared-expert overlap", dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True),
      "--moe-shared-expert-overlap runs the shared experts on a side stream"),
     ("FP8 shared experts", dict(moe_shared_expert_intermediate_size=64, **FP8),
@@ -533,3 +536,83 @@ def test_a_keyword_tensor_that_needs_a_gradient_runs_the_layer_eagerly():
     rope = torch.zeros(4)
     assert graphable_kwargs((), {"rotary_pos_emb": rope, "attention_mask": None}) == {"rotary_pos_emb": rope}
     assert graphable_kwargs((), {"attention_bias": torch.zeros(4, requires_grad=True)}) is None
+
+
+# --- full_iteration: each of its rules by itself (issue 57: two could go unnoticed) ----------
+
+FULL_ITERATION = dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+
+
+def full_iteration_blocker(c):
+    return moe_plan.plan_for(c).full_iteration_blocker
+
+
+def test_full_iteration_refuses_experts_that_refresh_fp8_weights_from_the_host(graphable):
+    """A replayed iteration skips the host's refresh of the FP8 grouped_mm experts' weight copies:
+    they would train on stale FP8 weights, silently."""
+    c = graphable(**FULL_ITERATION, **FP8)
+    assert moe_plan.plan_for(c).backend.name == "fp8_grouped_mm"
+    assert full_iteration_blocker(c) == (
+        "the fp8_grouped_mm experts refresh their FP8 weight copies from the host after each optimizer step, which "
+        "a replayed iteration would skip: use --cuda-graph-scope moe")
+    assert full_iteration_blocker(graphable(**FULL_ITERATION)) is None  # bf16 grouped_mm: nothing to refresh
+
+
+def test_full_iteration_refuses_experts_that_take_host_token_counts(graphable):
+    """The TE experts copy the token counts to the host: the capture would fail after start-up."""
+    c = graphable(**FULL_ITERATION, moe_apply_probs_on_input=True)
+    assert full_iteration_blocker(c).startswith("the te expert backend takes host token counts (")
+
+
+# --- a backward replay tells Megatron's DDP what the graph added into main_grad ----------------
+
+
+class StandInDDP:
+    """Megatron DDP's gradient hook on CPU, in its rule: a parameter's .grad is added into its
+    main_grad unless the backward already added it there (grad_added_to_main_grad set, so .grad
+    is only the fused kernel's placeholder); then .grad is dropped."""
+
+    def __init__(self, params):
+        for param in params:
+            param.main_grad = torch.zeros_like(param)
+            param.grad_added_to_main_grad = False
+            param.register_post_accumulate_grad_hook(self.hook)
+
+    @staticmethod
+    def hook(param):
+        if param.grad is not None and not param.grad_added_to_main_grad:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+
+
+class FusedBackwardGraph:
+    """A captured backward whose replay adds ``fused`` (the weight's gradient) into its main_grad
+    itself, as F13's or TE's fused accumulation does, leaving a placeholder as its gradient."""
+
+    def __init__(self, weight, fused):
+        self.weight, self.fused = weight, fused
+
+    def replay(self):
+        self.weight.main_grad.add_(self.fused)
+
+
+def test_a_backward_replay_marks_fused_gradients_for_ddp():
+    from megatron.moe_patches.graphs.layer_graphs import _Replay
+
+    weight, bias = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    StandInDDP([weight, bias])
+    placeholder = torch.full((3,), 1e30)  # TE's uninitialised placeholder: never to be added
+    fused, bias_grad = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.25])
+    captured = types.SimpleNamespace(
+        before_replay=lambda x, kwargs: None, fwd_graph=types.SimpleNamespace(replay=lambda: None),
+        bwd_graph=FusedBackwardGraph(weight, fused), static_out=torch.zeros(4), static_grad_out=torch.zeros(4),
+        static_grad_x=torch.zeros(4), static_grad_params=(placeholder, bias_grad),
+        into_main_grad=(weight,), grads_taken_by_ddp=[True, True])
+    x = torch.zeros(4, requires_grad=True)
+    for step in (1, 2):  # two steps, the flag reset between them as DDP's zero_grad_buffer resets it
+        weight.grad_added_to_main_grad = bias.grad_added_to_main_grad = False
+        _Replay.apply(captured, x, {}, weight, bias).sum().backward()
+        assert weight.grad_added_to_main_grad is True
+        assert torch.equal(weight.main_grad, step * fused)  # the placeholder never reached it
+        assert torch.equal(bias.main_grad, step * bias_grad)  # a gradient the graph left to DDP
+        assert weight.grad is None and bias.grad is None

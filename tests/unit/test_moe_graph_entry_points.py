@@ -101,15 +101,19 @@ def test_apply_installs_the_capture_behind_every_graph_entry_point():
 # --- --cuda-graph-impl transformer_engine: the TE graph helper ----------------------------------
 
 
-def test_te_helper_captures_the_moe_layers_with_the_micro_batch_shape(captures):
+@pytest.mark.parametrize("cp", [1, 2])
+def test_te_helper_captures_the_moe_layers_with_the_micro_batch_shape(captures, cp):
+    """Each context-parallel rank holds seq_length / CP tokens of the sequence: a graph made for
+    the whole sequence would never replay (issue 57)."""
     c = config(context_parallel_size=1)
+    c.context_parallel_size = cp  # set late: megatron-core's own CP checks need a process group
     model = model_with_moe_layers(c)
     helper = moe_cuda_graph.DroplessMoEGraphHelper(model=[model], config=c, seq_length=256, micro_batch_size=2,
                                                 optimizers=[])
     assert isinstance(helper, moe_cuda_graph.DroplessMoEGraphHelper) and not helper.graphs_created()
     helper.create_cudagraphs()
     assert helper.graphs_created() and len(captures) == 1
-    assert captures[0].layers == list(model.layers) and captures[0].shape == (256, 2, 64)
+    assert captures[0].layers == list(model.layers) and captures[0].shape == (256 // cp, 2, 64)
     assert captures[0].dtype == torch.bfloat16 and "after 2 eager steps" in captures[0].when
     helper.delete_cuda_graphs()
     assert not helper.graphs_created()
@@ -278,7 +282,7 @@ def test_a_replay_runs_the_skipped_submodules_forward_pre_hooks(monkeypatch):
 
 
 def test_a_whole_layer_replays_only_calls_like_the_captured_one(monkeypatch):
-    """The keyword tensors are part of what was captured: other shapes, packed-sequence
+    """The keyword tensors are part of what was captured: other shapes or dtypes, packed-sequence
     parameters or extra positional values run the layer eagerly."""
     replayed = []
     monkeypatch.setattr(moe_cuda_graph._Replay, "apply",
@@ -292,6 +296,7 @@ def test_a_whole_layer_replays_only_calls_like_the_captured_one(monkeypatch):
     assert replayed == [["rotary_pos_emb"]]
     eager = (x * 2, None)
     for call in (dict(rotary_pos_emb=torch.zeros(4, 1, 1, 2)), dict(),
+                 dict(rotary_pos_emb=rope.to(torch.float64)),  # its shape, another dtype (issue 57)
                  dict(rotary_pos_emb=rope, packed_seq_params=object()),
                  dict(rotary_pos_emb=rope, attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool))):
         out = layer(x, **call)

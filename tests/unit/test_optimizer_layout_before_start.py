@@ -52,3 +52,12 @@ def test_what_loads_passes(tmp_path, parsed, state, argv):
     root = saved(tmp_path, state)
     args = parsed([*REQUIRED, "--load", str(root), *argv])
     assert args.load == str(root)
+
+
+def test_the_expert_optimizer_of_a_chain_is_checked_too(tmp_path, refused):
+    """At EP > 1 the dense optimizer comes first and matches any run; the expert optimizer after
+    it holds the layout that must match (issue 57: only the first was read)."""
+    root = saved(tmp_path, {0: optimizer("dp_reshardable", STOCK), 1: optimizer("dp_reshardable", GROUPED)})
+    line = refused([*REQUIRED, "--load", str(root)])  # this run: per-expert weights
+    assert line.startswith(f"--load {root / 'iter_0000004'}: the checkpoint's dp_reshardable")
+    assert "--moe-single-grouped-weight True (checkpoint) vs False (now)" in line

@@ -140,24 +140,24 @@ def test_an_upstream_item_that_is_not_a_common_state_is_refused(tmp_path):
 # --- this project's form: common.pt --------------------------------------------------------
 
 
-def test_a_checkpoint_with_a_common_file_reads_through_megatron_core(tmp_path, monkeypatch):
+def test_a_checkpoint_with_a_common_file_reads_weights_only(tmp_path, monkeypatch):
     """torch_dist tensors plus common.pt, as megatron-core 0.16.1 (and so this driver's save)
-    writes them: read by megatron-core's own load_common_state_dict."""
-    from megatron.core import dist_checkpointing
-
+    writes them: read as megatron-core's load_common_state_dict reads it (torch.load, weights
+    only), but with weights_only given, so no environment variable lets a payload run."""
     path = tmp_path / "iter_0000004"
     dcp.save({"decoder.bias": torch.zeros(2)}, checkpoint_id=str(path), no_dist=True)
     common = {"args": {"hidden_size": 8, "seq_length": 32}, "iteration": 4,
               "opt_param_scheduler": {"num_steps": 40}, "optimizer": {"optimizer": {"param_groups": []}}}
     torch.save(common, path / "common.pt")
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "common_backend": "torch"}))
-    calls = []
-    real = dist_checkpointing.load_common_state_dict
-    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda p: calls.append(p) or real(p))
     assert checkpointing.read_common_state(str(path)) == common
-    assert calls == [str(path)]
     (tmp_path / checkpointing.TRACKER).write_text("4")
     assert checkpointing.saved_args(str(tmp_path)) == common["args"]
+    torch.save({**common, "args": Payload()}, path / "common.pt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # turns off torch.load's default only
+    with pytest.raises(CheckpointError, match="common.pt is not safe to load: it needs "):
+        checkpointing.read_common_state(str(path))
+    assert RAN == []
 
 
 # --- neither: refused, naming the path and the fix -----------------------------------------

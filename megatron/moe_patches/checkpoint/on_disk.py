@@ -11,14 +11,20 @@ a ``common.pt`` beside the torch_dist files (0.16.1) or, as megatron-core 0.19.2
 one pickled object inside the torch_dist files. ``optimizer_layouts_saved_at`` reads the
 expert parameter layout the patched distributed optimizer recorded (F7), and
 ``optimizer_layout_refusal`` applies that optimizer's rule to it.
+
+None of it runs code from the files: the tensor index is unpickled by ``IndexUnpickler`` (the
+classes a torch_dist index is made of, nothing else) and the common state by torch.load with
+weights_only; a file needing any other global is refused unread, by name (``UnsafeCheckpointFile``).
 """
 
+import importlib
 import io
 import json
 import os
+import pickle
 import re
 import stat
-from typing import List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 # The args that fix the shapes of the model's tensors, in the order messages name them: a
 # checkpoint saved with other values holds another model, whose tensors megatron-core refuses
@@ -33,6 +39,96 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # "common_state", of global shape (1,) at offset (0,), under its unique key); its bytes are
 # torch.save of a one-element list holding the common state dict.
 UPSTREAM_COMMON_KEY = "common_state/shard_0_1"
+
+# --- the tensor index (``.metadata``, a pickle), read without running code from it ----------
+# torch's ``FileSystemReader.read_metadata`` unpickles the index with ``pickle.load``, which calls
+# whatever the file names. The checks made before start-up (``--load``, ``--print-plan``) read
+# checkpoints a user may have downloaded, so they read the index with an unpickler that resolves
+# only the classes a torch_dist index is made of and refuses any other global by name, before
+# anything is called.
+
+# The globals a torch_dist index pickle names (torch 2.6 to 2.13, megatron-core's writers
+# too), by module. Resolving each only constructs data: dataclasses, a Size from a tuple, an
+# enum or a layout from its name, a path from strings.
+INDEX_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    # megatron-core 0.19 keeps each rank's save plan in the index too (``all_local_plans``)
+    "torch.distributed.checkpoint.planner": frozenset({
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "pathlib._local": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "bytearray"}),
+}
+
+_DTYPE_NAMES: Optional[FrozenSet[str]] = None
+
+
+def _dtype_names() -> FrozenSet[str]:
+    """The names under which torch's dtypes pickle (``torch.bfloat16``, ...)."""
+    global _DTYPE_NAMES
+    if _DTYPE_NAMES is None:
+        import torch
+
+        _DTYPE_NAMES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+    return _DTYPE_NAMES
+
+
+class ForbiddenGlobal(pickle.UnpicklingError):
+    """A pickle names a global outside ``INDEX_GLOBALS``; ``name`` is it, as module.name."""
+
+    def __init__(self, module: str, name: str):
+        self.name = f"{module}.{name}"
+        super().__init__(f"it needs {self.name}, which no torch_dist index holds")
+
+
+class IndexUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only ``INDEX_GLOBALS`` and torch's dtypes."""
+
+    def find_class(self, module, name):
+        allowed = name in INDEX_GLOBALS.get(module, ()) or (module == "torch" and name in _dtype_names())
+        if not allowed:
+            raise ForbiddenGlobal(module, name)
+        return getattr(importlib.import_module(module), name)
+
+    def persistent_load(self, pid):  # an index holds no out-of-band objects
+        raise pickle.UnpicklingError("it holds a persistent id, which no torch_dist index holds")
+
+
+def read_index(path: str):
+    """The torch DCP ``Metadata`` in the file ``path``, read with ``IndexUnpickler``. Raises
+    ForbiddenGlobal for a file naming any other global, and pickle.UnpicklingError for one
+    holding anything but a Metadata."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(path, "rb") as handle:
+        index = IndexUnpickler(handle).load()
+    if not isinstance(index, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(index).__name__}, not a torch_dist index")
+    return index
+
+
+def safe_reader(checkpoint_dir: str):
+    """A torch ``FileSystemReader`` of ``checkpoint_dir`` whose index is read by ``read_index``
+    (for ``torch.distributed.checkpoint.load``, which reads the index through its reader)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeIndexReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            index = read_index(os.path.join(checkpoint_dir, ".metadata"))
+            if getattr(index, "storage_meta", None) is None:
+                index.storage_meta = StorageMeta()
+            index.storage_meta.load_id = self.load_id  # as torch's reader leaves it
+            return index
+
+    return SafeIndexReader(checkpoint_dir)
+
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
@@ -140,14 +236,39 @@ def _config_problem(path: str) -> Optional[str]:
     return None
 
 
+class UnsafeCheckpointFile(CheckpointError):
+    """A pickled checkpoint file naming a global its kind never holds: refused unread, whatever
+    else is asked of the checkpoint (never taken for an incomplete save)."""
+
+
+def unsafe_file_refusal(what: str, name: str, fix: str) -> UnsafeCheckpointFile:
+    """The refusal of ``what`` (a file, or an item of one) whose pickle needs the global ``name``."""
+    return UnsafeCheckpointFile(f"{what} is not safe to load: it needs {name}, which no megatron-core checkpoint "
+                                f"holds, so it was not read (reading it could run code); {fix}")
+
+
+SAVED_BY_MEGATRON_CORE = "point --load at a checkpoint saved by megatron-core"
+
+
+def read_tensor_index(path: str):
+    """The torch DCP index (``.metadata``) of the iteration directory ``path``, read without
+    running code from it (``IndexUnpickler``). A file naming any global its kind never holds raises
+    CheckpointError naming the file and the global; other read errors are raised as they come."""
+    file = os.path.join(path, TENSOR_INDEX)
+    try:
+        return read_index(file)
+    except ForbiddenGlobal as err:
+        raise unsafe_file_refusal(file, err.name, SAVED_BY_MEGATRON_CORE) from None
+
+
 def _tensor_index(path: str):
     """(the torch DCP index of the tensor files, None) or (None, why it cannot be had)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not os.path.isfile(os.path.join(path, TENSOR_INDEX)):
         return None, f"no {TENSOR_INDEX} (the index of its tensor files)"
     try:
-        return FileSystemReader(path).read_metadata(), None
+        return read_tensor_index(path), None
+    except UnsafeCheckpointFile:
+        raise
     except Exception as err:  # a cut-short or foreign pickle raises any unpickling error
         return None, f"its {TENSOR_INDEX} cannot be read ({_read_error(err)})"
 
@@ -174,6 +295,8 @@ def _common_state_problem(path: str, index) -> Optional[str]:
         return f"no {COMMON_FILE} (its common state: iteration, scheduler, args)"
     try:
         common = read_common_state(path)
+    except UnsafeCheckpointFile:
+        raise
     except Exception as err:  # torch.load's errors on cut-short or foreign bytes, CheckpointError
         return f"its common state cannot be read ({_read_error(err)})"
     if not isinstance(common, dict):
@@ -317,28 +440,48 @@ def find_checkpoint(root: str) -> Tuple[Optional[str], Optional[str]]:
 
 
 
+def _load_weights_only(source, what: str):
+    """torch.load of ``source`` (``what``: the file or item, for messages) with weights_only
+    given explicitly (no environment variable turns it off): only the types torch and
+    megatron-core allow (megatron-core registers argparse.Namespace, numpy arrays and its own
+    enums on import) come back. Any other global is refused by name, before it is called."""
+    import torch
+
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]*\w)", str(err))  # torch names the global it refused so
+        if named is None:
+            raise  # not a pickle torch can read (cut short, random bytes): the caller says so
+        raise unsafe_file_refusal(what, named.group(1), f"{SAVED_BY_MEGATRON_CORE}, or load it with the version "
+                                  "that saved it") from None
+
+
+def _read_common_file(file: str):
+    """The common state megatron-core 0.16.1 saves as ``common.pt``, read as its own load reads
+    it (torch.load, weights only)."""
+    return _load_weights_only(file, file)
+
+
 def read_common_state(path: str) -> dict:
     """The common state (args, iteration, scheduler, ...) of the torch_dist checkpoint at
     ``path``, on CPU without a process group, whichever megatron-core saved it.
 
-    A ``common.pt`` there is read by megatron-core's own ``load_common_state_dict``.
-    Without one, the state is the ``UPSTREAM_COMMON_KEY`` item of the torch_dist files
+    A ``common.pt`` there is read as megatron-core's own ``load_common_state_dict`` reads
+    it, with weights_only given explicitly. Without one, the state is the ``UPSTREAM_COMMON_KEY`` item of the torch_dist files
     (megatron-core 0.19.2 writes no common.pt, and 0.16.1's reader looks only for that
-    file); it is read with torch.distributed.checkpoint and unpickled with
-    ``weights_only=True``, so only the types torch and megatron-core allow (megatron-core
+    file); it is read with torch.distributed.checkpoint (its index by ``IndexUnpickler``) and
+    unpickled with ``weights_only=True``, so only the types torch and megatron-core allow (megatron-core
     registers argparse.Namespace and its own enums on import) come back. A directory
     holding neither raises CheckpointError.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
     if os.path.isfile(os.path.join(path, COMMON_STATE_FNAME)):
-        return dist_checkpointing.load_common_state_dict(path)
-
-    import pickle
+        return _read_common_file(os.path.join(path, COMMON_STATE_FNAME))
 
     import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -348,7 +491,7 @@ def read_common_state(path: str) -> dict:
         "torch_dist checkpoint); point --load at a complete one"
     )
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_tensor_index(path)
     except FileNotFoundError:  # no .metadata: not torch_dist files at all
         raise neither from None
     if not isinstance(metadata.state_dict_metadata.get(UPSTREAM_COMMON_KEY), BytesStorageMetadata):
@@ -361,16 +504,9 @@ def read_common_state(path: str) -> dict:
             self.saved = value.getvalue()
 
     planner = KeepBytes(flatten_state_dict=False)
-    dcp_load({UPSTREAM_COMMON_KEY: io.BytesIO()}, storage_reader=FileSystemReader(path), planner=planner,
+    dcp_load({UPSTREAM_COMMON_KEY: io.BytesIO()}, storage_reader=safe_reader(path), planner=planner,
              no_dist=True)
-    try:
-        saved = torch.load(io.BytesIO(planner.saved), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:  # a type outside the allow-list: name it, on one line
-        reason = " ".join(str(err).split())[:300]
-        raise CheckpointError(
-            f"the common state of {path} holds objects that are not safe to load ({reason}); "
-            "load it with the megatron-core version that saved it"
-        ) from None
+    saved = _load_weights_only(io.BytesIO(planner.saved), f"the '{UPSTREAM_COMMON_KEY}' item of {path}")
     if not (isinstance(saved, list) and len(saved) == 1 and isinstance(saved[0], dict)):
         raise CheckpointError(
             f"the '{UPSTREAM_COMMON_KEY}' item of {path} is not a common state dict (a "

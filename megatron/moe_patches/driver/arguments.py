@@ -569,6 +569,26 @@ def _check_launcher_node(world: int) -> None:
     if address is not None and not address.strip():
         raise ValueError(f"MASTER_ADDR={address!r} (set by the launcher) is empty: set the host of rank 0, or unset it "
                          "on one node (the driver then uses 127.0.0.1)")
+    if address is not None and any(char.isspace() for char in address):
+        raise ValueError(f"MASTER_ADDR={shown(address)!r} (set by the launcher) holds white space, so it names no "
+                         "host: set the host name or address of rank 0, or unset it on one node (the driver then "
+                         "uses 127.0.0.1)")
+    _check_visible_gpus(per_node)
+
+
+def _check_visible_gpus(per_node: int) -> None:
+    """Each of the node's ranks takes its own GPU (LOCAL_RANK indexes the visible ones): a
+    CUDA_VISIBLE_DEVICES that names fewer leaves the last ranks without one, found only at
+    start-up. Unset or empty (no GPU: the GPU check says so) is not judged here."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return
+    count = len(visible.split(","))
+    if count < per_node:
+        gpus = f"{count} GPU{'s' if count > 1 else ''}"
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={shown(visible)!r} names {gpus}, but the launcher starts {per_node} "
+                         f"ranks on this node (LOCAL_WORLD_SIZE), one GPU each: name at least {per_node} GPUs, or "
+                         f"start at most {count} ranks per node")
 
 
 def _check_symmetric_exchange_node(args: argparse.Namespace, world: int) -> None:
@@ -866,6 +886,10 @@ INT32_MAX = 2**31 - 1
 # GEMM, attention and communication kernels take their sizes (and a larger one is no real run).
 SIZE = IntRange(1, INT32_MAX, "2**31 - 1, the largest size the kernels take")
 STEPS = IntRange(0, INT32_MAX, "2**31 - 1")
+# Sample counts are no kernel sizes: a 15 T-token run at sequence 4096 takes 3.7 B samples
+# (Megatron-LM takes them); megatron-core counts consumed samples in int64.
+INT64_MAX = 2**63 - 1
+SAMPLE_COUNT = IntRange(1, INT64_MAX, "2**63 - 1, the largest 64-bit count")
 # The patch flags: config.validate_moe_patch_config refuses values below 1 (before start-up too).
 PATCH_SIZE = IntRange(None, INT32_MAX, SIZE.why)
 # Every integer flag the driver runs with (tests check that none is missing); unset (None)
@@ -878,13 +902,13 @@ INT_RANGES: Dict[str, IntRange] = {
         "moe_shared_expert_intermediate_size", "moe_deepep_num_sms", "moe_hybridep_num_sms",
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
         "expert_tensor_parallel_size", "fp8_amax_history_len", "micro_batch_size", "global_batch_size",
-        "train_iters", "lr_decay_iters", "log_interval", "save_interval", "train_samples", "lr_decay_samples",
-        "eval_interval",
+        "train_iters", "lr_decay_iters", "log_interval", "save_interval", "eval_interval",
     ), SIZE),
+    **dict.fromkeys(("train_samples", "lr_decay_samples"), SAMPLE_COUNT),
     **dict.fromkeys(("moe_mlp_glu_interleave_size", "moe_hybridep_num_blocks_permute",
                      "moe_hybridep_num_blocks_unpermute"), PATCH_SIZE),
     "lr_warmup_iters": STEPS,
-    "lr_warmup_samples": STEPS,
+    "lr_warmup_samples": IntRange(0, INT64_MAX, SAMPLE_COUNT.why),
     "eval_iters": STEPS,  # 0: no evaluation
     "rampup_batch_size": STEPS,  # each of START INCREMENT SAMPLES; START and INCREMENT >= 1 in check_args
     "cuda_graph_warmup_steps": STEPS,  # below 0 the capture step never comes
@@ -1249,24 +1273,43 @@ def batch_calculator(args: argparse.Namespace, rank: int = 1):
     return calculators.RampupBatchsizeNumMicroBatchesCalculator(*shape, *args.rampup_batch_size)
 
 
+def _ramp_up_level(consumed: int, samples_per_increment: float) -> int:
+    """The increments megatron-core's ramp-up calculator has made after ``consumed`` samples
+    (its own float arithmetic, so that the counts match it to the sample)."""
+    return int(consumed / samples_per_increment)
+
+
+def _last_sample_at_level(level: int, samples_per_increment: float) -> int:
+    """The largest consumed-sample count at which the calculator is still at ``level``."""
+    last = math.ceil((level + 1) * samples_per_increment) - 1  # then nudged past float rounding
+    while _ramp_up_level(last + 1, samples_per_increment) <= level:
+        last += 1
+    while last > 0 and _ramp_up_level(last, samples_per_increment) > level:
+        last -= 1
+    return last
+
+
 @functools.lru_cache(maxsize=8)
 def _sample_based_run(rampup: Optional[Tuple[int, int, int]], global_batch: int, micro_batch: int,
                       data_parallel: int, train_samples: int) -> Tuple[int, Tuple[int, ...]]:
     """(iterations, the global batch sizes the ramp-up steps take) of a sample-based run, counted as
-    Megatron-LM's update_train_iters counts them: the ramp-up's steps one by one while neither the
-    ramp-up's nor the run's samples are passed, then full batches (a partial last one dropped)."""
+    Megatron-LM's update_train_iters counts them: ramp-up steps while neither the ramp-up's nor the
+    run's samples are passed, then full batches (a partial last one dropped). Each batch size the
+    ramp-up reaches is counted in one step (its steps in closed form), not iteration by iteration:
+    a ramp-up over billions of samples would spin for minutes."""
     if rampup is None:
         return train_samples // global_batch, ()
-    args = argparse.Namespace(global_batch_size=global_batch, micro_batch_size=micro_batch,
-                              data_parallel_size=data_parallel, rampup_batch_size=list(rampup))
-    calculator = batch_calculator(args)
+    start, increment, ramp_samples = rampup
+    samples_per_increment = ramp_samples / ((global_batch - start) // increment)  # as megatron-core divides
     iterations, consumed, sizes = 0, 0, set()
-    while consumed <= rampup[2] and consumed <= train_samples:
-        calculator.update(consumed, consistency_check=False)
-        batch = calculator.get_current_global_batch_size()
+    while consumed <= ramp_samples and consumed <= train_samples:
+        level = _ramp_up_level(consumed, samples_per_increment)
+        batch = start + level * increment
+        last = min(ramp_samples, train_samples, _last_sample_at_level(level, samples_per_increment))
+        steps = (last - consumed) // batch + 1  # the steps that start at or before ``last``
         sizes.add(batch)
-        consumed += batch
-        iterations += 1
+        consumed += steps * batch
+        iterations += steps
     if train_samples > consumed:
         iterations += (train_samples - consumed) // global_batch
     return iterations, tuple(sorted(sizes))
@@ -1297,6 +1340,9 @@ def _check_split(args: argparse.Namespace) -> None:
         raise ValueError(f"--split {shown(args.split)!r}: not weights megatron-core reads as written: {fix}")
     if not sum(float(weight) for weight in weights) > 0:
         raise ValueError(f"--split {shown(args.split)!r}: the weights add up to 0, so no split gets a share: {fix}")
+    if float(weights[0]) == 0 and getattr(args, "data_path", None):  # mock data: megatron-core splits it 1,1,1
+        raise ValueError(f"--split {shown(args.split)!r} with --data-path: the training split (the first weight) is "
+                         "empty, so there is nothing to train on: give it a share, e.g. 969,30,1")
 
 
 def _check_validation_split(args: argparse.Namespace) -> None:
@@ -1463,10 +1509,42 @@ def _index_header_problem(path: str) -> Optional[str]:
 OUTPUT_DIRS = ("save", "tensorboard_dir", "data_cache_path")
 
 
+# The most bytes of the relative paths the run writes under an output directory (a checkpoint's
+# iter_NNNNNNN.incomplete/__0_0.distcp, megatron-core's cached index files named by a hash).
+WRITTEN_UNDER_OUTPUT = 128
+
+
+def _check_path_lengths(flag: str, path: str, target: str, existing: str) -> None:
+    """Each name in ``target`` within the file system's NAME_MAX, and ``target`` with room for
+    what the run writes under it within its PATH_MAX (read where ``existing`` lies): else the
+    first write fails after start-up."""
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    for name in target.split(os.sep):
+        if len(os.fsencode(name)) > name_max:
+            raise ValueError(f"{flag} {shown(path)!r}: the name {name[:20]}... is {len(os.fsencode(name))} bytes, but "
+                             f"the file system takes names of at most {name_max} (NAME_MAX): give shorter names")
+    length = len(os.fsencode(target))
+    if length + WRITTEN_UNDER_OUTPUT >= path_max:
+        raise ValueError(f"{flag} {shown(path)!r}: it is {length} bytes long, and the run writes files under it: the "
+                         f"file system takes paths of at most {path_max} bytes (PATH_MAX), so keep it under "
+                         f"{path_max - WRITTEN_UNDER_OUTPUT}: give a shorter path")
+
+
+def _check_save_tracker(path: str) -> None:
+    """The first save writes the checkpoint tracker into --save: a directory of that name there
+    makes it fail after the first save's work."""
+    tracker = os.path.join(path, on_disk.TRACKER)
+    if os.path.isdir(tracker):
+        raise ValueError(f"--save {shown(path)!r}: {shown(tracker)} is a directory, where the first save writes the "
+                         "checkpoint tracker (a file): remove it, or give another --save directory")
+
+
 def _check_output_dir(flag: str, path: str) -> None:
     """``path`` is a writable directory or can be made one: its nearest existing ancestor is
-    a writable directory, and nothing on the way is a symbolic link to a missing target (the
-    run could make no directory there). Nothing is made here."""
+    a writable directory, nothing on the way is a symbolic link to a missing target (the
+    run could make no directory there), and its names and length are within the file system's
+    limits. Nothing is made here."""
     target = os.path.abspath(path)
     existing = target
     while not os.path.exists(existing):
@@ -1484,6 +1562,9 @@ def _check_output_dir(flag: str, path: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {shown(path)}: {shown(existing)} is not writable: give a directory this user "
                          "can write to")
+    _check_path_lengths(flag, path, target, existing)
+    if flag == "--save":
+        _check_save_tracker(path)
 
 
 @functools.lru_cache(maxsize=None)

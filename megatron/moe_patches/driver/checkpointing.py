@@ -65,6 +65,7 @@ from megatron.moe_patches.checkpoint.on_disk import (  # noqa: F401
     optimizer_layout_refusal,
     optimizer_layouts_saved_at,
     read_common_state,
+    read_tensor_index,
 )
 from megatron.moe_patches.driver import compat
 from megatron.moe_patches.driver.patch_args import restore_args_from_checkpoint
@@ -520,9 +521,8 @@ class IncompleteCheckpointError(RuntimeError):
 def check_checkpoint_covers(sharded_state_dict, path: str) -> None:
     """Refuse, on every rank and before anything is read, a checkpoint that cannot fill the model."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint import FileSystemReader
 
-    problems = uncovered_tensors(sharded_state_dict, FileSystemReader(path).read_metadata())
+    problems = uncovered_tensors(sharded_state_dict, read_tensor_index(path))
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, problems)

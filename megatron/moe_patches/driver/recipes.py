@@ -601,6 +601,11 @@ def _scalar(kind, value, fail):
         raise fail(f"cannot read {_spelled(value)} as {getattr(kind, '__name__', 'its type')}") from None
 
 
+# List flags whose empty list in a recipe means what no value on the command line means (the
+# flag's default): no graph scope is each transformer layer whole, as megatron-core reads [].
+EMPTY_LIST_MEANS = frozenset({"cuda_graph_scope"})
+
+
 def convert_value(action: argparse.Action, value, fail):
     """A recipe value for ``action``'s flag, checked as strictly as the command line."""
     if action.nargs == 0:  # on/off flags
@@ -610,7 +615,7 @@ def convert_value(action: argparse.Action, value, fail):
     kind = action.type or str
     if action.nargs in ("*", "+") or isinstance(action.nargs, int) and action.nargs > 1:
         items = value if isinstance(value, list) else [value]
-        if action.nargs == "+" and not items:
+        if action.nargs == "+" and not items and action.dest not in EMPTY_LIST_MEANS:
             raise fail("needs at least one value")
         if isinstance(action.nargs, int) and len(items) != action.nargs:  # as argparse counts them
             names = " ".join(action.metavar) if isinstance(action.metavar, tuple) else f"{action.nargs} values"

@@ -7,7 +7,8 @@ one graph (no scope, or ``attn moe``; ``captures_whole_layers``). A graph replay
 and addresses without the host, so the layer must keep its token counts on the device,
 exchange tokens without host split sizes (EP 1, or the symmetric exchange of
 ``plan/exchange.py``), run one rank of tensor and pipeline parallelism, route without
-dropping or random numbers, and run experts that take device counts (``plan/backends.py``).
+dropping or random numbers (input jitter, forced load balancing), and run experts that take
+device counts (``plan/backends.py``).
 ``graph_blocker`` names the first of those the config breaks. ``full_iteration`` (megatron-core's
 capture of every micro-batch's forward and backward as one graph) runs the MoE layers inside
 that graph and needs the same of them (``full_iteration_blocker``).
@@ -77,6 +78,8 @@ def graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Option
         return "pipeline parallelism: micro-batches in flight would share the graph's static buffers"
     if config.moe_input_jitter_eps:
         return "--moe-input-jitter-eps draws random numbers inside the layer"
+    if config.moe_router_force_load_balancing:
+        return "--moe-router-force-load-balancing draws random numbers inside the layer (random router logits)"
     if config.moe_shared_expert_overlap:
         return "--moe-shared-expert-overlap runs the shared experts on a side stream"
     if config.fp8 and config.moe_shared_expert_intermediate_size:
