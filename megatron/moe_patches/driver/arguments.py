@@ -369,6 +369,10 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
             "Count the zero entries of the gradients (the optimizer's main grads, before "
             "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
             "scalar num-zeros (adds a GPU sync)."),
+        _on("--moe-per-layer-logging",
+            "Also log each MoE layer's auxiliary losses: the TensorBoard scalars "
+            "moe/<loss>_layer_<i> (as Megatron-LM) and the same values after Megatron-LM's "
+            "fields of each logged line."),
         _on("--log-throughput",
             "Log the throughput (TFLOP/s per GPU and tokens/s) each logged iteration and as the "
             "TensorBoard scalars throughput and tokens-per-sec. On by default here (Megatron-LM's "
