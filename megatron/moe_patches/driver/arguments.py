@@ -46,6 +46,7 @@ from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
+from megatron.moe_patches.version import __version__
 
 # Megatron-LM's fusion switches: (flag, dest, what it fuses). On by default, as in Megatron-LM;
 # transformer_config_kwargs gives them to the config as core_transformer_config_from_args does.
@@ -489,6 +490,8 @@ def _build_parser(prog: str, names: bool = False) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _add_standard_args(parser, names)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="Print this package's version and exit.")
     megatron_lm_flags.add_refused_flags(parser)
     return add_moe_patch_args(parser)
 

@@ -44,10 +44,16 @@ def _print_rank0(*parts) -> None:
         print(*parts, flush=True)
 
 
+def no_gpu_message(prog: str = PROG) -> str:
+    """The stop line on a machine without a GPU, after the flags and the recipe passed their checks."""
+    return (f"{prog} needs a CUDA GPU (Transformer Engine and NCCL); none is visible here. The configuration "
+            "passed its checks; add --print-plan to see what this run would do on a GPU.")
+
+
 def require_gpu(prog: str = PROG) -> None:
     """The GPU check: the first thing after the arguments are parsed and validated."""
     if not torch.cuda.is_available():
-        raise SystemExit(f"{prog} needs a CUDA GPU (Transformer Engine and NCCL); none is visible here.")
+        raise SystemExit(no_gpu_message(prog))
 
 
 def initialize(args: argparse.Namespace) -> None:
