@@ -45,7 +45,7 @@ from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
-from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
+from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, UnknownKey, apply_recipe, load_recipe
 from megatron.moe_patches.version import __version__
 
 # Megatron-LM's fusion switches: (flag, dest, what it fuses). On by default, as in Megatron-LM;
@@ -605,9 +605,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser(prog, names=True)  # megatron-core: imported by the checks that need it
     first, _ = parser.parse_known_args(argv)
-    recipe = Recipe()
+    recipe, bad_keys = Recipe(), []  # the recipe's bad keys, all of them; the others are applied
     if first.yaml_cfg:
-        bad_keys: List[RecipeError] = []  # the recipe's bad keys, all of them; the others are applied
         try:
             recipe = load_recipe(first.yaml_cfg, parser, bad_keys)
             apply_recipe(parser, recipe, getattr(recipe, "path", None) or first.yaml_cfg, bad_keys)
@@ -629,9 +628,10 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     notes = [*recipe.notes, *megatron_lm_flags.no_effect_notes(args, given)]
     megatron_lm_flags.drop_refused(args)
     problems += given_value_problems(args)
-    if problems:
+    if problems and not (problems == parser.pending and all(isinstance(bad, UnknownKey) for bad in bad_keys)):
         parser.errors(problems)
-    parser.pending = []
+    # Unknown recipe keys alone: the checks of the settings together run too (parser.error
+    # prints the keys first), so that one run reports them all.
     for note in notes:
         warn(note)
     try:
@@ -644,6 +644,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
         check_grouped_expert_fusions(args)  # megatron-core's asserts there: after the patch set's rules
     except ValueError as err:
         parser.error(str(err))
+    if parser.pending:
+        parser.errors(parser.pending)
     return args
 
 
