@@ -37,7 +37,7 @@ def test_console_script_function_names_megatron_moe_pretrain(capsys):
 def test_warnings_and_the_gpu_check_name_it_too(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stopped:
-        pretrain_main(["--yaml-cfg", "tiny-moe", "--load", str(tmp_path / "missing")])
+        pretrain_main(["--yaml-cfg", "tiny-moe-stock", "--load", str(tmp_path / "missing")])
     assert stopped.value.code == training.no_gpu_message("megatron-moe-pretrain")
     assert "passed its checks" in stopped.value.code and "--print-plan" in stopped.value.code
     assert capsys.readouterr().err.startswith(f"megatron-moe-pretrain: warning: --load {tmp_path / 'missing'}: ")
@@ -61,7 +61,7 @@ def test_the_installed_console_script_names_itself():
         out.stderr[-2000:])
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--yaml-cfg", "tiny-moe", "--version"]])
+@pytest.mark.parametrize("argv", [["--version"], ["--yaml-cfg", "tiny-moe-stock", "--version"]])
 def test_version(argv, capsys):
     from megatron.moe_patches.version import __version__
 

@@ -703,6 +703,9 @@ def main(argv=None, prog: str = PROG) -> int:
             print(line)
         return 0
     require_gpu(prog)
+    if int(os.environ.get("RANK", "0")) == 0:  # the plan's decisions first, as --print-plan prints them
+        for line in plan_lines(args):
+            print(f"moe_patches plan: {line}", flush=True)
     pretrain(args)
     return 0
 
