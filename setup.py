@@ -1,14 +1,18 @@
+import re
+
 from setuptools import find_namespace_packages, setup
+
+# The version lives in one place, read here without importing the package (it needs torch).
+VERSION = re.search(r'__version__ = "([^"]+)"', open("megatron/moe_patches/version.py", encoding="utf-8").read()).group(1)
 
 setup(
     name="megatron-moe-patches",
-    version="0.1.0",
+    version=VERSION,
     description="MoE expert-path features for the stock megatron-core 0.16.1 wheel, for Hopper GPUs",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    license="Apache-2.0",
+    license="Apache-2.0",  # one SPDX expression; no license classifier beside it (setuptools warns)
     license_files=["LICENSE"],
-    classifiers=["License :: OSI Approved :: Apache Software License"],
     python_requires=">=3.10",
     # `megatron` is a namespace shared with megatron-core: ship only our portion.
     # megatron/moe_patches/recipes/ (no __init__.py) is found as a namespace package and

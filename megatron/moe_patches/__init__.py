@@ -8,7 +8,6 @@ applied, native or skipped and why.
 
 from megatron.moe_patches.installer import apply, is_applied, revert, status
 from megatron.moe_patches.registry import SERIES
-
-__version__ = "0.1.0"
+from megatron.moe_patches.version import __version__
 
 __all__ = ["apply", "revert", "status", "is_applied", "SERIES", "__version__"]

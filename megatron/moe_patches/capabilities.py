@@ -6,15 +6,18 @@ offers (dataclass fields, attributes, signature parameters), because version
 strings say little about forks and backports.
 """
 
+import ast
 import dataclasses
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
-from typing import NamedTuple, Optional, Tuple
+import os
+import sys
+from typing import Callable, NamedTuple, Optional, Tuple
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 SUPPORTED_MCORE = (Version("0.16.1"), Version("0.17"))  # [low, high)
 
@@ -26,14 +29,70 @@ def _version_of(dist: str) -> Optional[Version]:
         return None
 
 
+def mcore_loaded() -> bool:
+    """Whether this process has imported megatron-core (its import takes seconds)."""
+    return "megatron.core" in sys.modules
+
+
 def mcore_version() -> Optional[Version]:
-    """Version of the imported megatron-core (from the package, so a source tree counts)."""
+    """Version of the imported megatron-core (from the package, so a source tree counts); before
+    megatron-core is imported, of the one ``import megatron.core`` would load, read from its
+    package_info.py without importing it."""
+    if not mcore_loaded():
+        return _version_on_path() or _version_of("megatron-core")
     try:
         from megatron.core import package_info
 
         return Version(package_info.__version__)
     except ImportError:
         return _version_of("megatron-core")
+
+
+def _version_on_path() -> Optional[Version]:
+    """The version in megatron/core/package_info.py of the first ``megatron`` folder on the
+    import path that holds megatron-core, or None where there is none or it reads otherwise."""
+    spec = importlib.util.find_spec("megatron")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        core = os.path.join(str(folder), "core")
+        if os.path.isfile(os.path.join(core, "__init__.py")):
+            return _package_info_version(os.path.join(core, "package_info.py"))
+    return None
+
+
+def _package_info_version(path: str) -> Optional[Version]:
+    """MAJOR.MINOR.PATCH + PRE_RELEASE, the literals megatron-core's package_info.py assigns."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        parts = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                 and node.targets[0].id in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")}
+        return Version(f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE', '')}")
+    except (OSError, SyntaxError, ValueError, KeyError, InvalidVersion):
+        return None
+
+
+def apex_wgrad_fusion() -> bool:
+    """Whether megatron-core's linear layers find APEX's fused_weight_gradient_mlp_cuda (their
+    ``_grad_accum_fusion_available``); asked without importing megatron-core where it is not yet."""
+    if mcore_loaded():
+        return bool(mcore_attr("tensor_parallel.layers", "_grad_accum_fusion_available"))
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def lands_after_tested_range(probe: Callable[[], bool]) -> Callable[[], bool]:
+    """A native probe for a feature that no megatron-core of the tested range has (each landed
+    upstream after it): there, before megatron-core is imported, the answer is no without the
+    import; otherwise ``probe`` asks megatron-core (tests/unit/test_fast_commands.py checks
+    that both answers agree)."""
+
+    def native() -> bool:
+        if not mcore_loaded() and mcore_supported():
+            return False
+        return probe()
+
+    native.probe = probe
+    return native
 
 
 def mcore_supported(version: Optional[Version] = None) -> bool:

@@ -126,7 +126,7 @@ SERIES: Tuple[Feature, ...] = (
         fields=_PATCH_FIELDS,
         upstream=("NVIDIA/Megatron-LM#4636", "NVIDIA/Megatron-LM#4073", "ROCm/Megatron-LM (seed 004)"),
         te_requirement="none",
-        native=lambda: cap.mcore_has_fields(*_PATCH_FIELDS),
+        native=cap.lands_after_tested_range(lambda: cap.mcore_has_fields(*_PATCH_FIELDS)),
         page="patches/C0-config-fields.md",
         test="tests/unit/test_config.py, tests/gpu/test_foundation.py, tests/unit/test_upstream_native.py",
         module="megatron.moe_patches.config",
@@ -141,9 +141,9 @@ SERIES: Tuple[Feature, ...] = (
         upstream=("NVIDIA/Megatron-LM#2763", "NVIDIA/TransformerEngine#1921"),
         te_requirement="moe_permute_and_pad_with_probs and moe_unpermute(pad_offsets=)",
         te_probe=cap.te_fused_permute_pad,
-        native=lambda: cap.accepts_parameter(
+        native=cap.lands_after_tested_range(lambda: cap.accepts_parameter(
             cap.mcore_attr("transformer.moe.moe_utils", "unpermute"), "pad_offsets"
-        ),
+        )),
         page="patches/F1-fused-permute-pad.md",
         test="tests/gpu/test_fused_permute_pad.py, tests/unit/test_fused_permute_pad.py, tests/unit/test_dispatch_strategies.py",
         module="megatron.moe_patches.dispatch.permute_pad",
@@ -176,7 +176,8 @@ SERIES: Tuple[Feature, ...] = (
         upstream=("NVIDIA/Megatron-LM#4073", "NVIDIA/Megatron-LM#4089"),
         te_requirement="none (deep_ep HybridEPBuffer(num_blocks_permute=...), "
         "dispatch_with_permute(fuse_permute_dispatch=...))",
-        native=lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute", "moe_permute_fusion_into_hybridep"),
+        native=cap.lands_after_tested_range(
+            lambda: cap.mcore_has_fields("moe_hybridep_num_blocks_permute", "moe_permute_fusion_into_hybridep")),
         page="patches/F2-hybridep-blocks.md",
         test="tests/unit/test_hybridep_blocks.py, tests/unit/test_decided_at_construction.py",
         module="megatron.moe_patches.dispatch.hybridep_blocks",
@@ -197,8 +198,8 @@ SERIES: Tuple[Feature, ...] = (
         "already padded on device.",
         upstream=("NVIDIA/Megatron-LM#4071", "NVIDIA/Megatron-LM#4636"),
         te_requirement="none",
-        native=lambda: cap.mcore_attr("transformer.moe.moe_utils", "skip_routed_expert_padding")
-        is not None,
+        native=cap.lands_after_tested_range(
+            lambda: cap.mcore_attr("transformer.moe.moe_utils", "skip_routed_expert_padding") is not None),
         page="patches/F3-skip-routed-padding.md",
         test="tests/unit/test_padding_decision.py, tests/unit/test_plan.py, tests/gpu/test_fused_permute_pad.py",
         module="megatron.moe_patches.grouped_experts",
@@ -223,9 +224,9 @@ SERIES: Tuple[Feature, ...] = (
         ),
         te_requirement="te.pytorch.ops GroupedLinear + ScaledSwiGLU (TE >= 2.14)",
         te_probe=cap.te_op_fuser_grouped_mlp,
-        native=lambda: cap.mcore_has_fields(
+        native=cap.lands_after_tested_range(lambda: cap.mcore_has_fields(
             "use_transformer_engine_op_fuser", "moe_mlp_glu_interleave_size"
-        ),
+        )),
         page="patches/F4-op-fuser-grouped-mlp.md",
         test="tests/gpu/test_op_fuser_grouped_mlp.py, tests/unit/test_op_fuser_grouped_mlp.py",
         module="megatron.moe_patches.experts.op_fuser",
@@ -240,7 +241,8 @@ SERIES: Tuple[Feature, ...] = (
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4219"),
         te_requirement="none with the grouped_mm backend (the op fuser's grouped-tensor path needs "
         "cuBLASLt >= 13.4 on Hopper and is refused)",
-        native=lambda: cap.mcore_has_fields("moe_single_grouped_weight", "moe_single_grouped_bias"),
+        native=cap.lands_after_tested_range(
+            lambda: cap.mcore_has_fields("moe_single_grouped_weight", "moe_single_grouped_bias")),
         page="patches/F5-single-grouped-params.md",
         test="tests/unit/test_single_grouped_params.py, tests/gpu/test_device_splits.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py",
@@ -254,7 +256,7 @@ SERIES: Tuple[Feature, ...] = (
         "checkpoints keep per-expert keys.",
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4636"),
         te_requirement="none beyond F5",
-        native=_f6_native,
+        native=cap.lands_after_tested_range(_f6_native),
         page="patches/F6-grouped-checkpoint-keys.md",
         test="tests/unit/test_grouped_checkpoint_keys.py, tests/unit/test_checkpoint_coverage.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py, tests/gpu/test_device_splits.py",
@@ -276,10 +278,9 @@ SERIES: Tuple[Feature, ...] = (
         "another layout by name.",
         upstream=("NVIDIA/Megatron-LM#3890", "NVIDIA/Megatron-LM#4324"),
         te_requirement="none beyond F5",
-        native=lambda: cap.mcore_attr(
+        native=cap.lands_after_tested_range(lambda: cap.mcore_attr(
             "optimizer.distrib_optimizer", "DistributedOptimizer._is_grouped_quantized_tensor"
-        )
-        is not None,
+        ) is not None),
         page="patches/F7-distopt-grouped.md",
         test="tests/unit/test_grouped_optimizer_state.py, tests/unit/test_optimizer_bucket_layout.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py, tests/gpu/test_megatron_lm_client.py",
@@ -303,7 +304,7 @@ SERIES: Tuple[Feature, ...] = (
         upstream=("ROCm/Megatron-LM (seed 004: GPU m_splits for grouped GEMM)",),
         te_requirement="GroupedLinear.forward(m_splits_tensor=) where present; else own backend",
         te_probe=cap.te_grouped_linear_device_splits,
-        native=lambda: cap.mcore_has_fields("moe_device_tokens_per_expert"),
+        native=cap.lands_after_tested_range(lambda: cap.mcore_has_fields("moe_device_tokens_per_expert")),
         page="patches/F8-device-tokens-per-expert.md",
         test="tests/gpu/test_device_splits.py, tests/gpu/test_weighted_glu.py, tests/unit/test_expert_backends.py",
         module="megatron.moe_patches.experts.grouped_mm",
@@ -392,7 +393,7 @@ SERIES: Tuple[Feature, ...] = (
         "Triton grouped GEMM (kernels/main_grad_accumulation.py); TE's modules keep their own fused path.",
         upstream=("none: APEX's fused_weight_gradient_mlp_cuda is what megatron-core 0.16.1 asks for",),
         te_requirement="none (cuBLAS through torch.addmm; Triton for the experts)",
-        native=lambda: bool(cap.mcore_attr("tensor_parallel.layers", "_grad_accum_fusion_available")),
+        native=cap.apex_wgrad_fusion,
         page="patches/F13-wgrad-into-main-grad.md",
         test="tests/unit/test_main_grad_accumulation.py, tests/gpu/test_main_grad_accumulation.py, "
         "tests/gpu/test_megatron_lm_client.py",

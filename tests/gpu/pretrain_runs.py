@@ -52,7 +52,7 @@ class RunsFolder:
         return remove_runs_folder
 
 
-BASE = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100", "--deterministic-mode",
+BASE = ["--yaml-cfg", "tiny-moe-stock", "--lr-decay-iters", "100", "--deterministic-mode",
         "--dist-ckpt-optim-fully-reshardable", "--log-interval", "1"]
 STEPS = 4
 LAYOUTS = {
@@ -79,7 +79,7 @@ def recipe_for(layout, workdir):
     """The tiny recipe, without the line DROPPED_RECIPE_LINES names for ``layout``."""
     if layout not in DROPPED_RECIPE_LINES:
         return []
-    text = Path(recipe_path("tiny-moe")).read_text()
+    text = Path(recipe_path("tiny-moe-stock")).read_text()
     recipe = Path(workdir) / f"tiny-moe-{layout}.yaml"
     dropped = DROPPED_RECIPE_LINES[layout]
     recipe.write_text("\n".join(l for l in text.splitlines() if not l.startswith(dropped)) + "\n")

@@ -114,3 +114,26 @@ def test_the_recipe_functions_raise_every_bad_key_together(tmp_path):
     problems = []
     apply_recipe(parser, {"num_layers": "x", "lr": 0.1}, "r.yaml", problems)
     assert len(problems) == 1 and parser.get_default("lr") == 0.1
+
+
+def test_unknown_keys_and_an_impossible_combination_in_one_run(tmp_path, capsys, one_rank):
+    """Two keys no flag takes and a value the settings together refuse (top-k above the expert
+    count): all three in one run, the keys first."""
+    path = write(tmp_path, "num-experts: 4\nmoe-router-topk: 8\nbogus_key: 1\nanother_bogus: 2\n")
+    lines = errors([*REQUIRED, "--yaml-cfg", path], capsys)
+    assert lines == [f"{path}:3: unknown key 'bogus_key' (no flag --bogus-key)",
+                     f"{path}:4: unknown key 'another_bogus' (no flag --another-bogus)",
+                     "--moe-router-topk 8 exceeds --num-experts 4"]
+
+
+def test_unknown_keys_alone_are_still_refused(tmp_path, capsys, one_rank):
+    path = write(tmp_path, "num-experts: 4\nbogus_key: 1\n")
+    assert errors([*REQUIRED, "--yaml-cfg", path], capsys) == [f"{path}:2: unknown key 'bogus_key' (no flag --bogus-key)"]
+
+
+def test_a_bad_value_keeps_the_combination_checks_back(tmp_path, capsys, one_rank):
+    """A value refused on its own leaves the setting unread: the checks of the settings together
+    would judge a value the user did not give, so they wait for the next run."""
+    path = write(tmp_path, "num-experts: 4\nmoe-router-topk: 8\nbogus_key: 1\nnum-layers: two\n")
+    lines = errors([*REQUIRED, "--yaml-cfg", path], capsys)
+    assert len(lines) == 2 and "bogus_key" in lines[0] and "num-layers" in lines[1], lines

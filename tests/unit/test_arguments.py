@@ -129,7 +129,7 @@ def test_pretrain_gpt_help_lists_every_flag_and_needs_a_gpu():
     for name in PATCH_FIELD_NAMES:
         assert flag_name(name) in out.stdout
     run = subprocess.run(  # a valid model: Megatron-LM's required flags come from the recipe
-        [sys.executable, "-W", "ignore", str(ROOT / "pretrain_gpt.py"), "--yaml-cfg", "tiny-moe"],
+        [sys.executable, "-W", "ignore", str(ROOT / "pretrain_gpt.py"), "--yaml-cfg", "tiny-moe-stock"],
         capture_output=True, text=True, cwd=ROOT,
     )
     if not torch.cuda.is_available():

@@ -12,7 +12,8 @@ from driver_model import REQUIRED
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "megatron" / "moe_patches" / "recipes"
-NAMES = ["deepseek-v2-lite-proxy", "mixtral-proxy", "qwen3-30b-a3b-proxy", "tiny-moe", "tiny-moe-nested"]
+NAMES = ["deepseek-v2-lite-proxy", "mixtral-proxy", "qwen3-30b-a3b-proxy", "tiny-moe", "tiny-moe-nested",
+         "tiny-moe-stock"]
 
 
 def test_builtin_recipes_are_listed_by_name():

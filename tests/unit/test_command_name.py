@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.moe_patches.driver import training
 from megatron.moe_patches.driver.cli import pretrain_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +37,9 @@ def test_console_script_function_names_megatron_moe_pretrain(capsys):
 def test_warnings_and_the_gpu_check_name_it_too(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stopped:
-        pretrain_main(["--yaml-cfg", "tiny-moe", "--load", str(tmp_path / "missing")])
-    assert stopped.value.code == ("megatron-moe-pretrain needs a CUDA GPU (Transformer Engine and NCCL); none is "
-                                  "visible here.")
+        pretrain_main(["--yaml-cfg", "tiny-moe-stock", "--load", str(tmp_path / "missing")])
+    assert stopped.value.code == training.no_gpu_message("megatron-moe-pretrain")
+    assert "passed its checks" in stopped.value.code and "--print-plan" in stopped.value.code
     assert capsys.readouterr().err.startswith(f"megatron-moe-pretrain: warning: --load {tmp_path / 'missing'}: ")
 
 
@@ -58,3 +59,12 @@ def test_the_installed_console_script_names_itself():
     out = run([script, *BAD])
     assert out.returncode == 2 and out.stderr.splitlines()[-1] == f"megatron-moe-pretrain: error: {REFUSAL}", (
         out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--yaml-cfg", "tiny-moe-stock", "--version"]])
+def test_version(argv, capsys):
+    from megatron.moe_patches.version import __version__
+
+    with pytest.raises(SystemExit) as stopped:
+        pretrain_main(argv)
+    assert stopped.value.code == 0 and capsys.readouterr().out == f"megatron-moe-pretrain {__version__}\n"

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron.moe_patches.driver import checkpointing
+from megatron.moe_patches.driver import checkpointing, training
 
 pytestmark = pytest.mark.usefixtures("one_rank")
 
@@ -121,8 +121,7 @@ def test_the_restored_megatron_lm_model_stops_only_at_the_gpu_check(tmp_path, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stopped:
         main(["--load", str(root), "--use-checkpoint-args", *RUN], prog="megatron-moe-pretrain")
-    assert stopped.value.code == ("megatron-moe-pretrain needs a CUDA GPU (Transformer Engine and NCCL); "
-                                  "none is visible here.")
+    assert stopped.value.code == training.no_gpu_message("megatron-moe-pretrain")
     assert ": error: " not in capsys.readouterr().err
 
 

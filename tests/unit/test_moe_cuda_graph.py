@@ -216,7 +216,7 @@ def test_allgather_device_counts_wiring(monkeypatch):
 
 # --- pretrain_gpt.py ------------------------------------------------------------------------
 
-TINY = ["--yaml-cfg", "tiny-moe", "--train-iters", "5", "--lr-decay-iters", "100"]
+TINY = ["--yaml-cfg", "tiny-moe-stock", "--train-iters", "5", "--lr-decay-iters", "100"]
 
 
 def test_driver_accepts_moe_graphs_on_the_sync_free_path(parsed, one_rank):

@@ -13,7 +13,7 @@ from megatron.moe_patches.driver.recipes import RecipeError, flatten_recipe
 from driver_model import REQUIRED
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "megatron/moe_patches/recipes/tiny-moe.yaml")
+TINY = str(ROOT / "megatron/moe_patches/recipes/tiny-moe-stock.yaml")
 NESTED = str(ROOT / "megatron/moe_patches/recipes/tiny-moe-nested.yaml")
 
 

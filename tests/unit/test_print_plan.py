@@ -23,7 +23,7 @@ def test_the_proxy_recipes_plan(capsys, reverted):
 
 
 def test_what_blocks_a_graph_and_the_preferred_backends_is_named(capsys, reverted):
-    lines = plan_lines(capsys, "--yaml-cfg", "tiny-moe", "--train-iters", "20")  # counts to the host
+    lines = plan_lines(capsys, "--yaml-cfg", "tiny-moe-stock", "--train-iters", "20")  # counts to the host
     assert lines[0] == "expert backend: te"
     assert "  not grouped_mm: moe_device_tokens_per_expert is off" in lines
     assert "exchange: alltoall; token counts on the host" in lines
@@ -43,3 +43,25 @@ def test_a_bad_flag_is_refused_as_pretrain_gpt_refuses_it(capsys, reverted):
         main([*RUN, "--moe-router-topk", "0", "--print-plan"], prog="pretrain_gpt.py")
     assert exited.value.code == 2
     assert "pretrain_gpt.py: error: --moe-router-topk" in capsys.readouterr().err
+
+
+def test_readmes_first_command_runs_the_fast_path(capsys, reverted):
+    """tiny-moe (README's quick start): the grouped backend on device token counts, whole layers
+    as CUDA graphs, weight gradients into main_grad; tiny-moe-stock is the stock path."""
+    lines = plan_lines(capsys, "--yaml-cfg", "tiny-moe")
+    assert lines[0] == "expert backend: grouped_mm"
+    assert "exchange: alltoall; token counts on the device; rows arrive grouped by local expert" in lines
+    assert "CUDA graph of the transformer layer: can be captured" in lines
+    assert "single grouped parameters: can be held" in lines
+    assert "weight gradients into main_grad in the GEMM: yes" in lines
+    assert plan_lines(capsys, "--yaml-cfg", "tiny-moe-stock")[0] == "expert backend: te"
+
+
+def test_training_prints_the_plan_first(capsys, reverted, monkeypatch):
+    from megatron.moe_patches.driver import training
+
+    monkeypatch.setattr(training, "require_gpu", lambda prog: None)
+    monkeypatch.setattr(training, "pretrain", lambda args: print("training"))
+    assert main(["--yaml-cfg", "tiny-moe"], prog="pretrain_gpt.py") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "moe_patches plan: expert backend: grouped_mm" and out[-1] == "training"

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from megatron.moe_patches import capabilities
+from megatron.moe_patches.driver import training
 from megatron.moe_patches.driver.arguments import build_parser
 from megatron.moe_patches.fields import PATCH_FIELDS
 
@@ -248,7 +249,7 @@ def assert_stops_at_the_gpu_check(case: Case, capsys, monkeypatch):
     code, out, err = run_driver(case, capsys, monkeypatch)
     error = next((line for line in err.splitlines() if ": error: " in line), None)
     assert error is None, f"README's {case.name!r} is refused before the GPU check:\n{err}"
-    assert code == f"{case.prog} needs a CUDA GPU (Transformer Engine and NCCL); none is visible here.", (
+    assert code == training.no_gpu_message(case.prog), (
         f"README's {case.name!r} did not stop at the GPU check: {code!r}\n{err}")
 
 

@@ -27,7 +27,7 @@ def test_metrics_and_the_log_line(monkeypatch):
     times = {"iteration": 0.5, "forward-backward": 0.4, "optimizer": 0.1}
     metrics = training.iteration_metrics(args(), 10, times, 1e-3, 2.5, 0.75, 2, 3 * 2**20, 5 * 2**20)
     assert metrics == {
-        "lm loss": 2.5, "learning-rate": 1e-3, "grad-norm": 0.75, "iteration-time": 0.5,
+        "lm loss": 2.5, "loss-scale": 1.0, "learning-rate": 1e-3, "grad-norm": 0.75, "iteration-time": 0.5,
         "throughput": 1e9 * 16 * 256 / 0.5 / 2 / 1e12, "tokens-per-sec": 16 * 256 / 0.5,
         "consumed-samples": 160, "batch-size": 16, "mem-allocated-bytes": 3 * 2**20, "mem-max-allocated-bytes": 5 * 2**20,
         "forward-backward-time": 0.4, "optimizer-time": 0.1,
@@ -55,7 +55,7 @@ def test_num_zeros_only_when_counted(monkeypatch):
     counted = training.iteration_metrics(args(), 3, {"iteration": 0.5}, 1e-3, 2.5, 0.75, 1, 0, 0, num_zeros=1234.0)
     assert counted["num-zeros"] == 1234.0
     line = training._log_line(args(), 3, counted, 0.0)
-    assert "| grad norm: 0.750 | num zeros: 1234 | mem (MiB)" in line, line
+    assert "| grad norm: 0.750 | num zeros: 1234 | number of skipped iterations:" in line, line
     written = []
     writer = types.SimpleNamespace(add_scalar=lambda name, value, step: written.append((name, value, step)),
                                    flush=lambda: None)

@@ -25,7 +25,7 @@ from megatron.moe_patches.driver import checkpointing, compat
 from megatron.moe_patches.experts.glu_interleave import to_concatenated, to_interleaved
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--yaml-cfg", "tiny-moe", "--lr-decay-iters", "100"]
+TINY = ["--yaml-cfg", "tiny-moe-stock", "--lr-decay-iters", "100"]
 # Tests of this process's megatron-core as the patch set's base (0.16.1); run under upstream
 # megatron-core, they have nothing to check.
 on_patch_base = pytest.mark.skipif(not compat.patch_set_installs(),

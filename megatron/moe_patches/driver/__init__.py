@@ -2,10 +2,11 @@
 
 ``arguments`` (pretrain_gpt.py's flags and checks), ``patch_args`` (the patch flags
 generated from the fields), ``recipes`` (``--yaml-cfg``), ``checkpointing`` (torch_dist
-checkpoints), ``training`` (the loop and ``main``), ``functional`` (the functional-test
-runner), ``builtin_recipes``, ``cli`` (the ``megatron-moe-pretrain`` command) and ``compat``
-(what the imported megatron-core offers: 0.16.1 with the patch set, or a version with its
-features natively). Imports go one way: cli -> training -> arguments -> checkpointing ->
-patch_args; arguments -> recipes; training, arguments, checkpointing -> compat.
+checkpoints), ``training`` (the loop and ``main``), ``iteration_log`` (its log line),
+``functional`` (the functional-test runner), ``builtin_recipes``, ``cli`` (the
+``megatron-moe-pretrain`` command) and ``compat`` (what the imported megatron-core offers:
+0.16.1 with the patch set, or a version with its features natively). Imports go one way:
+cli -> training -> arguments -> checkpointing -> patch_args; training -> iteration_log;
+arguments -> recipes; training, arguments, checkpointing -> compat.
 Bad input is refused in ``arguments.parse_args``, before any CUDA or NCCL work.
 """

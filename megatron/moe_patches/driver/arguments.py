@@ -45,7 +45,8 @@ from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
-from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, apply_recipe, load_recipe
+from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, UnknownKey, apply_recipe, load_recipe
+from megatron.moe_patches.version import __version__
 
 # Megatron-LM's fusion switches: (flag, dest, what it fuses). On by default, as in Megatron-LM;
 # transformer_config_kwargs gives them to the config as core_transformer_config_from_args does.
@@ -369,6 +370,10 @@ def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
             "Count the zero entries of the gradients (the optimizer's main grads, before "
             "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
             "scalar num-zeros (adds a GPU sync)."),
+        _on("--moe-per-layer-logging",
+            "Also log each MoE layer's auxiliary losses: the TensorBoard scalars "
+            "moe/<loss>_layer_<i> (as Megatron-LM) and the same values after Megatron-LM's "
+            "fields of each logged line."),
         _on("--log-throughput",
             "Log the throughput (TFLOP/s per GPU and tokens/s) each logged iteration and as the "
             "TensorBoard scalars throughput and tokens-per-sec. On by default here (Megatron-LM's "
@@ -485,6 +490,8 @@ def _build_parser(prog: str, names: bool = False) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _add_standard_args(parser, names)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="Print this package's version and exit.")
     megatron_lm_flags.add_refused_flags(parser)
     return add_moe_patch_args(parser)
 
@@ -618,9 +625,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser(prog, names=True)  # megatron-core: imported by the checks that need it
     first, _ = parser.parse_known_args(argv)
-    recipe = Recipe()
+    recipe, bad_keys = Recipe(), []  # the recipe's bad keys, all of them; the others are applied
     if first.yaml_cfg:
-        bad_keys: List[RecipeError] = []  # the recipe's bad keys, all of them; the others are applied
         try:
             recipe = load_recipe(first.yaml_cfg, parser, bad_keys)
             apply_recipe(parser, recipe, getattr(recipe, "path", None) or first.yaml_cfg, bad_keys)
@@ -642,9 +648,10 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     notes = [*recipe.notes, *megatron_lm_flags.no_effect_notes(args, given)]
     megatron_lm_flags.drop_refused(args)
     problems += given_value_problems(args)
-    if problems:
+    if problems and not (problems == parser.pending and all(isinstance(bad, UnknownKey) for bad in bad_keys)):
         parser.errors(problems)
-    parser.pending = []
+    # Unknown recipe keys alone: the checks of the settings together run too (parser.error
+    # prints the keys first), so that one run reports them all.
     for note in notes:
         warn(note)
     try:
@@ -657,6 +664,8 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
         check_grouped_expert_fusions(args)  # megatron-core's asserts there: after the patch set's rules
     except ValueError as err:
         parser.error(str(err))
+    if parser.pending:
+        parser.errors(parser.pending)
     return args
 
 

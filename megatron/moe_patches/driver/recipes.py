@@ -92,6 +92,11 @@ class RecipeError(ValueError):
         return cls("\n".join(str(problem) for problem in problems), problems=problems)
 
 
+class UnknownKey(RecipeError):
+    """A key no flag takes: left out of the recipe, it changes no value the other checks read,
+    so they run too and their problems are reported with it."""
+
+
 def _collect(problems: List[RecipeError], collected: Optional[List[RecipeError]]) -> None:
     """Hand the per-key ``problems`` to the caller's ``collected`` list, or raise them as one
     RecipeError where the caller gave none."""
@@ -222,7 +227,7 @@ def _resolve(parser: argparse.ArgumentParser, section: Optional[str], key: str) 
         return option.dest, None
     if section is not None and name in _config_field_defaults():
         return name, None  # a config field no flag sets: _unflagged_field judges its value
-    raise RecipeError(f"unknown key '{shown(name)}' (no flag --{shown(name.replace('_', '-'))})")
+    raise UnknownKey(f"unknown key '{shown(name)}' (no flag --{shown(name.replace('_', '-'))})")
 
 
 def _unflagged_field(parser: argparse.ArgumentParser, setting: Setting) -> bool:
@@ -291,7 +296,7 @@ def _settings(raw: Dict[str, Any], parser, lines, problems: List[RecipeError],
             if value is not None and not _unflagged_field(parser, setting):
                 settings.append(setting)
         except RecipeError as err:
-            problems.append(RecipeError(str(err), err.line or line))
+            problems.append(type(err)(str(err), err.line or line))
     return settings
 
 
@@ -530,7 +535,7 @@ def _key_lines(path: str, node) -> Dict[Tuple[Optional[str], str], int]:
 
 
 def _in_file(path: str, err: RecipeError) -> RecipeError:
-    return RecipeError(f"{path}:{err.line}: {err}" if err.line else f"{path}: {err}")
+    return type(err)(f"{path}:{err.line}: {err}" if err.line else f"{path}: {err}")
 
 
 def read_recipe(path: str, parser: argparse.ArgumentParser, problems: Optional[List[RecipeError]] = None) -> Recipe:
@@ -648,7 +653,7 @@ def apply_recipe(parser: argparse.ArgumentParser, recipe: Dict[str, Any], source
         where, key = recipe.where(dest, source), recipe.key(dest)
         action = actions.get(dest)
         if action is None or dest in ("help", "yaml_cfg"):
-            found.append(RecipeError(f"{where}: unknown key '{shown(dest)}' (no flag --{shown(dest.replace('_', '-'))})"))
+            found.append(UnknownKey(f"{where}: unknown key '{shown(dest)}' (no flag --{shown(dest.replace('_', '-'))})"))
             bad.append(dest)
             continue
         flag = action.option_strings[0] if action.option_strings else dest

@@ -10,7 +10,6 @@ checkpoints. ``main(argv)`` is pretrain_gpt.py's entry point (also
 """
 
 import argparse
-import datetime
 import logging
 import math
 import os
@@ -22,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.moe_patches.driver import checkpointing, compat
+from megatron.moe_patches.driver import checkpointing, compat, iteration_log
 from megatron.moe_patches.driver.arguments import (
     PROG,
     RUN_LENGTHS,
@@ -45,10 +44,16 @@ def _print_rank0(*parts) -> None:
         print(*parts, flush=True)
 
 
+def no_gpu_message(prog: str = PROG) -> str:
+    """The stop line on a machine without a GPU, after the flags and the recipe passed their checks."""
+    return (f"{prog} needs a CUDA GPU (Transformer Engine and NCCL); none is visible here. The configuration "
+            "passed its checks; add --print-plan to see what this run would do on a GPU.")
+
+
 def require_gpu(prog: str = PROG) -> None:
     """The GPU check: the first thing after the arguments are parsed and validated."""
     if not torch.cuda.is_available():
-        raise SystemExit(f"{prog} needs a CUDA GPU (Transformer Engine and NCCL); none is visible here.")
+        raise SystemExit(no_gpu_message(prog))
 
 
 def initialize(args: argparse.Namespace) -> None:
@@ -272,7 +277,8 @@ def model_flops_per_token(args) -> float:
 
 
 def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_allocated, mem_max_allocated,
-                      num_zeros=None, batch_size=None, consumed_samples=None, params_norm=None):
+                      num_zeros=None, batch_size=None, consumed_samples=None, params_norm=None,
+                      loss_scale=1.0, aux_losses=None, counts=None):
     """One logged iteration's numbers, under the names Megatron-LM gives them in TensorBoard.
 
     ``times``: seconds of the whole iteration (``"iteration"``) and, with --timing-log-level,
@@ -281,13 +287,16 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
     iteration's global batch (--rampup-batch-size grows it; default --global-batch-size);
     ``consumed_samples``: the samples trained on so far (default: iterations x the batch).
     ``params_norm``: the parameters' L2 norm (--log-params-norm), None when not computed.
+    ``loss_scale``: the optimizer's (1.0 in bf16 and fp32); ``aux_losses``: the MoE auxiliary
+    losses by megatron-core's names, whole-model and per layer (``moe/<name>_layer_<i>``);
+    ``counts``: the interval's skipped and nan iterations.
     The throughput (TFLOP/s per GPU, tokens/s) is left out where a recipe says
     ``log_throughput: false``, as Megatron-LM leaves it out without --log-throughput."""
     batch_size = batch_size or args.global_batch_size
     tokens = batch_size * args.seq_length
     elapsed = times["iteration"]
-    metrics = {
-        "lm loss": loss,
+    metrics = {"lm loss": loss, **(aux_losses or {}), "loss-scale": loss_scale}
+    metrics.update({
         "learning-rate": lr,
         "grad-norm": grad_norm,
         "iteration-time": elapsed,
@@ -295,7 +304,7 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
         "batch-size": batch_size,
         "mem-allocated-bytes": mem_allocated,
         "mem-max-allocated-bytes": mem_max_allocated,
-    }
+    })
     if getattr(args, "log_throughput", True):  # True: parse_args's default here
         metrics["throughput"] = model_flops_per_token(args) * tokens / elapsed / world / 1e12
         metrics["tokens-per-sec"] = tokens / elapsed
@@ -304,6 +313,7 @@ def iteration_metrics(args, iteration, times, lr, loss, grad_norm, world, mem_al
     if params_norm is not None:
         metrics["params-norm"] = params_norm
     metrics.update({f"{phase}-time": seconds for phase, seconds in times.items() if phase != "iteration"})
+    metrics.update(counts or {})
     return metrics
 
 
@@ -315,32 +325,28 @@ def _number(value):
 
 
 def _log_line(args, iteration, metrics, started):
-    """The iteration line; driver.functional reads lm loss, num zeros, the iteration time and
-    the memory back from it, so keep their labels and units in step with its parser."""
-    done = iteration / args.train_iters
-    eta = (time.time() - started) / max(done, 1e-9) * (1 - done)
-    phases = "".join(
-        f" | {name[:-len('-time')]} (ms): {value * 1000:.1f}"
-        for name, value in metrics.items()
-        if name.endswith("-time") and name != "iteration-time"
-    )
-    zeros = f" | num zeros: {metrics['num-zeros']:.0f}" if "num-zeros" in metrics else ""
-    norm = f" | params norm: {metrics['params-norm']:.3f}" if "params-norm" in metrics else ""
-    throughput = (f" | throughput per GPU (TFLOP/s/GPU): {metrics['throughput']:.1f}"
-                  f" | tokens/s: {metrics['tokens-per-sec']:.0f}") if "throughput" in metrics else ""
-    return (
-        f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d}"
-        f" | consumed samples: {metrics['consumed-samples']:12d}"
-        f" | elapsed time per iteration (ms): {metrics['iteration-time'] * 1000:.1f}"
-        f"{phases}{throughput}"
-        f" | learning rate: {metrics['learning-rate']:.6E}"
-        f" | global batch size: {metrics['batch-size']:5d}"
-        f" | lm loss: {metrics['lm loss']:.6E}"
-        f" | grad norm: {metrics['grad-norm']:.3f}"
-        f"{zeros}{norm}"
-        f" | mem (MiB): {metrics['mem-allocated-bytes'] / 2**20:.0f}/{metrics['mem-max-allocated-bytes'] / 2**20:.0f}"
-        f" | progress: {100 * done:5.1f}% eta {datetime.timedelta(seconds=int(eta))}"
-    )
+    """The iteration line (``iteration_log``: Megatron-LM's fields, then this driver's);
+    driver.functional reads lm loss, num zeros, the iteration time and the memory back from it,
+    so keep their labels and units in step with its parser."""
+    return iteration_log.log_line(args, iteration, metrics, started, time.time())
+
+
+def track_moe_losses(args, num_micro_batches: int) -> dict:
+    """This iteration's MoE auxiliary losses, as Megatron-LM's loop collects them: megatron-core's
+    ``track_moe_metrics`` reduces the routers' saved losses over the ranks (every rank calls it,
+    every iteration), scales them per micro-batch, averages them over the MoE layers and clears
+    them. With --moe-per-layer-logging it also gives each layer's value to its writer."""
+    names = iteration_log.aux_loss_names(args)
+    if not names:
+        return {}
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    totals, recorder = {}, iteration_log.PerLayerRecorder()
+    track_moe_metrics(loss_scale=1 / num_micro_batches, iteration=0, total_loss_dict=totals,
+                      writer=recorder if args.moe_per_layer_logging else None,
+                      per_layer_logging=args.moe_per_layer_logging, force_initialize=True, track_names=names,
+                      num_layers=args.num_layers, moe_layer_freq=None, mtp_num_layers=None)
+    return {**totals, **recorder.values}
 
 
 def validation_lines(where: str, loss: float) -> list:
@@ -425,8 +431,9 @@ def _params_norm(gpt, args) -> float:
 
 
 def write_tensorboard(writer, metrics, iteration) -> None:
-    """Every metric as a scalar at ``iteration`` (Megatron-LM's names: "lm loss", ...)."""
-    for name, value in metrics.items():
+    """Every metric as a scalar at ``iteration`` (Megatron-LM's names: "lm loss", ...); the
+    interval's skipped and nan counts are the line's only."""
+    for name, value in iteration_log.tensorboard_metrics(metrics).items():
         writer.add_scalar(name, value, iteration)
     writer.flush()
 
@@ -570,6 +577,7 @@ def pretrain(args: argparse.Namespace) -> None:
     train_forward_backward = whole_iteration_graph(forward_backward, args)
     started, last_saved, tensorboard = time.time(), None, None
     steps_run, graph_helper, graphs_checked = 0, moe_graph_helper(model, gpt, optimizer, args), set()
+    interval = iteration_log.IntervalTotals()
 
     def validate(where: str, data_iterator) -> None:
         loss = evaluate(forward_backward, model, data_iterator, args)
@@ -613,26 +621,25 @@ def pretrain(args: argparse.Namespace) -> None:
         # after backward and clipping, before the update (Megatron-LM's num-zeros).
         warn_if_graphs_never_replay(captured_before_step, graphs_checked)
         say_once_captured(train_forward_backward, steps_run)
-        _, grad_norm, num_zeros = optimizer.step()
-        scheduler.step(increment=batch_size)  # the scheduler counts samples
+        update_successful, grad_norm, num_zeros = optimizer.step()
+        if update_successful:  # as Megatron-LM: a skipped update leaves the schedule where it is
+            scheduler.step(increment=batch_size)  # the scheduler counts samples
         iteration += 1
         args.consumed_train_samples += batch_size
         torch.cuda.synchronize()
         times["iteration"] = time.time() - tick
         if args.timing_log_level:
             times["optimizer"] = times["iteration"] - times["forward-backward"]
+        step_losses = {"lm loss": torch.stack([m["lm loss"] for m in losses]).mean()} if losses else {}
+        step_losses.update(track_moe_losses(args, num_micro_batches))  # every rank, every iteration
+        interval.add(step_losses, times, skipped=not update_successful)
         if iteration % args.log_interval == 0:
             # every rank takes part in its reductions; only logged iterations show it
             params_norm = _params_norm(gpt, args) if args.log_params_norm else None
+            averaged = interval.averages()
             if logs:
-                loss = torch.stack([m["lm loss"] for m in losses]).mean().item()
-                metrics = iteration_metrics(
-                    args, iteration, times, _number(optimizer.param_groups[0]["lr"]), loss,
-                    _number(grad_norm) or 0.0, dist.get_world_size(), torch.cuda.memory_allocated(),
-                    torch.cuda.max_memory_allocated(),
-                    _number(num_zeros) if args.log_num_zeros_in_grad else None,  # without it: 0 or None
-                    batch_size=batch_size, consumed_samples=args.consumed_train_samples, params_norm=params_norm,
-                )
+                metrics = logged_metrics(args, iteration, averaged, optimizer, grad_norm, num_zeros, batch_size,
+                                         params_norm)
                 print(_log_line(args, iteration, metrics, started), flush=True)
                 if args.tensorboard_dir:
                     if tensorboard is None:  # made on the one rank that logs, as Megatron-LM does
@@ -659,6 +666,21 @@ def pretrain(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def logged_metrics(args, iteration, averaged, optimizer, grad_norm, num_zeros, batch_size, params_norm) -> dict:
+    """A logged iteration's metrics: ``averaged`` (``IntervalTotals.averages()``: the interval's
+    losses and times, skipped and nan counts), the optimizer's numbers of this step, memory."""
+    losses = dict(averaged["losses"])
+    loss = losses.pop("lm loss", float("nan"))  # none when every update of the interval was skipped
+    return iteration_metrics(
+        args, iteration, averaged["times"], _number(optimizer.param_groups[0]["lr"]), loss,
+        _number(grad_norm) or 0.0, dist.get_world_size(), torch.cuda.memory_allocated(),
+        torch.cuda.max_memory_allocated(),
+        _number(num_zeros) if args.log_num_zeros_in_grad else None,  # without it: 0 or None
+        batch_size=batch_size, consumed_samples=args.consumed_train_samples, params_norm=params_norm,
+        loss_scale=_number(optimizer.get_loss_scale()), aux_losses=losses, counts=averaged["counts"],
+    )
+
+
 def evaluates_after(args, iteration: int) -> bool:
     """Whether Megatron-LM's loop evaluates after training ``iteration``: every --eval-interval."""
     return evaluates(args) and iteration % args.eval_interval == 0
@@ -681,6 +703,9 @@ def main(argv=None, prog: str = PROG) -> int:
             print(line)
         return 0
     require_gpu(prog)
+    if int(os.environ.get("RANK", "0")) == 0:  # the plan's decisions first, as --print-plan prints them
+        for line in plan_lines(args):
+            print(f"moe_patches plan: {line}", flush=True)
     pretrain(args)
     return 0
 
