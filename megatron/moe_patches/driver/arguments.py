@@ -44,6 +44,8 @@ import torch
 from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
+from megatron.moe_patches.graph_scopes import (CAPTURED_SCOPES, GraphScope, LoopTraits, full_iteration_loop_refusal,
+                                               scope_names)
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, UnknownKey, apply_recipe, load_recipe
 from megatron.moe_patches.version import __version__
@@ -1586,29 +1588,26 @@ def _parser_defaults() -> Dict[str, object]:
     return {dest: action.default for dest, action in _parser_actions().items()}
 
 
-# The scopes this driver captures: the MoE layers, each layer whole, or the whole iteration.
-DRIVER_GRAPH_SCOPES = ({"moe"}, set(), {"attn", "moe"}, {"full_iteration"})
-
-
 def _check_graph_scope(args) -> None:
+    """The allow-list of scopes (``plan.graphs.CAPTURED_SCOPES``), and what this loop runs inside
+    a captured iteration (``plan.graphs.full_iteration_loop_refusal``)."""
     if args.cuda_graph_impl == "none":
         return
-    scope = set(args.cuda_graph_scope or [])
+    scope = CAPTURED_SCOPES.get(frozenset(scope_names(args.cuda_graph_scope)))
     given = " ".join(args.cuda_graph_scope or ["(none: each layer whole)"])
-    if scope not in DRIVER_GRAPH_SCOPES:
+    if scope is None:
         raise ValueError(f"--cuda-graph-scope {given}: this pretrain_gpt.py captures moe (each MoE layer), "
                          "each transformer layer whole (no scope, or attn moe) or full_iteration; use one of "
                          "those, or Megatron-LM's training loop for megatron-core's other graph scopes")
-    if scope == {"full_iteration"}:
+    if scope is GraphScope.FULL_ITERATION:
         if args.cuda_graph_impl != "local":
             raise ValueError("--cuda-graph-scope full_iteration needs --cuda-graph-impl local (megatron-core's "
                              "capture of the whole iteration)")
-        if args.check_for_nan_in_loss_and_grad:
-            raise ValueError("--cuda-graph-scope full_iteration needs --no-check-for-nan-in-loss-and-grad: the "
-                             "check reads each loss on the host, which a replayed iteration cannot")
-        if args.rampup_batch_size is not None:
-            raise ValueError("--cuda-graph-scope full_iteration with --rampup-batch-size: the captured iteration "
-                             "has a fixed number of micro-batches, and the ramp-up changes it")
+        traits = LoopTraits(host_nan_check=bool(args.check_for_nan_in_loss_and_grad),
+                            batch_rampup=args.rampup_batch_size is not None)
+        refusal = full_iteration_loop_refusal(traits)
+        if refusal is not None:
+            raise ValueError(refusal)
 
 
 def _check_only_with(args: argparse.Namespace) -> None:
