@@ -22,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_rank")
 
 # REQUIRED without its --train-iters 100: a sample-based run's flags go after it.
 SAMPLES = [flag for i, flag in enumerate(REQUIRED) if flag != "--train-iters" and REQUIRED[i - 1] != "--train-iters"]
-TINY_MOE = Path(arguments.__file__).parents[1] / "recipes" / "tiny-moe.yaml"
-MOE_GRAPHS = ["--yaml-cfg", "tiny-moe", "--train-iters", "20", "--moe-device-tokens-per-expert",
+TINY_MOE = Path(arguments.__file__).parents[1] / "recipes" / "tiny-moe-stock.yaml"
+MOE_GRAPHS = ["--yaml-cfg", "tiny-moe-stock", "--train-iters", "20", "--moe-device-tokens-per-expert",
               "--cuda-graph-impl", "local"]
 
 
@@ -38,7 +38,7 @@ def test_forced_load_balancing_is_refused_with_a_graph_of_the_moe_layer(scope, r
 
 
 def test_forced_load_balancing_without_graphs_passes(parsed):
-    assert parsed(["--yaml-cfg", "tiny-moe", "--train-iters", "20",
+    assert parsed(["--yaml-cfg", "tiny-moe-stock", "--train-iters", "20",
                    "--moe-router-force-load-balancing"]).moe_router_force_load_balancing
 
 
