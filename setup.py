@@ -20,7 +20,7 @@ setup(
     # the driver's table of Megatron-LM's flags is a data file too.
     packages=find_namespace_packages(include=["megatron.moe_patches", "megatron.moe_patches.*"]),
     package_data={"megatron.moe_patches.recipes": ["*.yaml"],
-                  "megatron.moe_patches.driver": ["megatron_lm_flags.jsonl"]},
+                  "megatron.moe_patches.driver": ["megatron_lm_flags.jsonl", "driver_flags.jsonl"]},
     install_requires=[
         "megatron-core>=0.16.1,<0.17",
         "torch>=2.6",

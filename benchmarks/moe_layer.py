@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
 from megatron.moe_patches import apply, revert  # noqa: E402
-from megatron.moe_patches.plan import graphs_dropless_moe  # noqa: E402
+from megatron.moe_patches.plan import graph_scope  # noqa: E402
 from megatron.moe_patches.graphs.layer_graphs import LayerGraphs  # noqa: E402
 from megatron.moe_patches.testing.layer_harness import (  # noqa: E402
     SHAPES,
@@ -139,7 +139,7 @@ def run_variant(name, shape, tokens, precision, warmup, iters, microbatches_per_
         generator = torch.Generator(device="cuda").manual_seed(seed)
         hidden = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         grad = torch.randn_like(hidden)
-        if graphs_dropless_moe(config):
+        if graph_scope(config).by_layer:
             graphs = LayerGraphs([layer], hidden, context=lambda: fp8_context(config)).install()
         ms, peak = measure(layer, hidden, grad, warmup, iters, microbatches_per_step)
         backend = getattr(getattr(layer.experts, "backend", None), "name", "stock")

@@ -26,6 +26,25 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture
+def host_copies(monkeypatch):
+    """The experts' copies of token counts to the host, as a list: a counting stand-in wraps
+    ``host_tokens_per_expert`` where the backends call it."""
+    from megatron.moe_patches.experts import backend, op_fuser
+
+    copies = []
+    real = backend.host_tokens_per_expert
+
+    def counting(tokens_per_expert_E):
+        if tokens_per_expert_E.is_cuda:
+            copies.append(tokens_per_expert_E)
+        return real(tokens_per_expert_E)
+
+    monkeypatch.setattr(backend, "host_tokens_per_expert", counting)
+    monkeypatch.setattr(op_fuser, "host_tokens_per_expert", counting)
+    return copies
+
+
 # Many test subprocesses (pretrain_gpt.py runs, workers) run side by side; each would start one
 # OpenMP thread per core for its little CPU work. Share the cores out instead (children inherit
 # it; torchrun sets 1 for its workers anyway). A value the user set wins.

@@ -29,8 +29,8 @@ from megatron.moe_patches.fields import (
     log_once,
     uses_legacy_grouped_gemm,
 )
-from megatron.moe_patches.plan import expert_tp_size, graphs_dropless_moe, plan_for, scope_names
-from megatron.moe_patches.plan.graphs import MOE_SCOPE, WHOLE_LAYER_SCOPES
+from megatron.moe_patches.graph_scopes import CAPTURED_SCOPES, GraphScope, graph_scope, scope_names
+from megatron.moe_patches.plan import expert_tp_size, plan_for
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +139,11 @@ def validate_moe_patch_config(config) -> None:
     elif is_moe:
         errors.extend(plan.exchange.contradictions)
 
-    if graphs_dropless_moe(config):  # (implies is_moe)
+    captured = plan.graph_scope if is_moe else GraphScope.NONE
+    if captured.by_layer:
         names = scope_names(config.cuda_graph_scope)
         scope = " ".join(names) or "(none: the whole layer)"
-        if frozenset(names) not in (MOE_SCOPE, *WHOLE_LAYER_SCOPES):
+        if frozenset(names) not in CAPTURED_SCOPES:
             errors.append(
                 f"cuda_graph_scope={scope}: for dropless MoE the patch set captures each MoE layer "
                 "(--cuda-graph-scope moe) or each transformer layer whole (no --cuda-graph-scope, or attn moe), "
@@ -153,7 +154,7 @@ def validate_moe_patch_config(config) -> None:
                 f"of the {plan.graph_unit}, and this config cannot have it: {plan.graph_blocker}. Fix that, or "
                 + ("drop moe from --cuda-graph-scope." if "moe" in names
                    else "give --cuda-graph-scope attn (megatron-core's graphs of the attention alone)."))
-    elif is_moe and plan.full_iteration_blocker is not None:
+    elif captured is GraphScope.FULL_ITERATION and plan.full_iteration_blocker is not None:
         errors.append(
             "cuda_graph_scope=full_iteration replays every micro-batch's forward and backward, MoE layers "
             f"included, as one CUDA graph, and this config's MoE layers cannot be in it: "
@@ -194,7 +195,7 @@ class PatchedTransformerConfig(TransformerConfig, MoEPatchFields):
         # validation below checks dropless ones instead (the plan's graph_blocker), so megatron-core's
         # graph checks run without the impl, which they are all conditioned on.
         impl = self.cuda_graph_impl
-        bypass = graphs_dropless_moe(self) and not (self.enable_cuda_graph or self.external_cuda_graph)
+        bypass = graph_scope(self).by_layer and not (self.enable_cuda_graph or self.external_cuda_graph)
         if bypass:
             self.cuda_graph_impl = "none"
         try:

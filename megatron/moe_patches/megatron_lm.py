@@ -54,6 +54,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.fields import restore_patch_args
+from megatron.moe_patches.graph_scopes import (GraphScope, LoopTraits, full_iteration_loop_refusal, graph_scope,
+                                               holds_moe_layers, scope_names)
 from megatron.moe_patches.installer import apply, revert, status
 from megatron.moe_patches.registry import MEGATRON_LM_WRAPS
 
@@ -206,11 +208,9 @@ def _training_graphs_at_ep(args: argparse.Namespace):
     """Megatron-LM asserts --moe-pad-experts-for-cuda-graph-inference for local CUDA graphs at
     EP > 1: a flag of inference's text generation (its routers sync with the host) that
     training never reads. The patch set's dropless MoE graphs (scope ``moe``, the whole layer, the
-    whole iteration: ``plan.graphs.holds_moe_layers``) are judged by its own rules once
+    whole iteration: ``graph_scopes.holds_moe_layers``) are judged by its own rules once
     Megatron-LM's checks pass (sync-free counts, the symmetric exchange), so Megatron-LM's check
     sees the flag set and the user's value comes back after it."""
-    from megatron.moe_patches.plan.graphs import holds_moe_layers, scope_names
-
     lifted = (getattr(args, "cuda_graph_impl", "none") == "local"
               and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1
               and getattr(args, "num_experts", None)
@@ -241,25 +241,15 @@ def check_config_before_start(args: argparse.Namespace) -> None:
 
 
 def full_iteration_refusal(args: argparse.Namespace) -> Optional[str]:
-    """What in Megatron-LM's loop a ``full_iteration`` graph cannot hold, or None. With timing at
-    level 1 or more megatron-core's schedule starts and stops its forward-backward timer inside
-    the captured function, and its timers synchronize the device (and, with Megatron-LM's default
-    --barrier-with-level-1-timing, wait in a barrier first), which a capture refuses (measured on
-    an H200: "operation not permitted when stream is capturing"). The spiky-loss check reads each
-    loss on the host inside it too."""
-    from megatron.moe_patches.plan.graphs import asks_full_iteration
-
-    if not asks_full_iteration(args):
+    """What in Megatron-LM's loop a ``full_iteration`` graph cannot hold, or None: its traits
+    (timers at ``--timing-log-level``, the spiky-loss check; with Megatron-LM's default
+    --barrier-with-level-1-timing its timers wait in a barrier too) judged by the rule both loops
+    share (``graph_scopes.full_iteration_loop_refusal``)."""
+    if graph_scope(args) is not GraphScope.FULL_ITERATION:
         return None
-    level = getattr(args, "timing_log_level", 0) or 0
-    if level >= 1:
-        return (f"--cuda-graph-scope full_iteration with --timing-log-level {level}: megatron-core's schedule times "
-                "the forward-backward inside the captured iteration, and its timers synchronize the device, which "
-                "a CUDA graph cannot hold; use --timing-log-level 0")
-    if getattr(args, "check_for_spiky_loss", False):
-        return ("--cuda-graph-scope full_iteration with --check-for-spiky-loss: the check reads each loss on the host "
-                "inside the captured iteration; drop --check-for-spiky-loss")
-    return None
+    traits = LoopTraits(timing_level=getattr(args, "timing_log_level", 0) or 0,
+                        spiky_loss_check=bool(getattr(args, "check_for_spiky_loss", False)))
+    return full_iteration_loop_refusal(traits)
 
 
 def check_load_before_start(args: argparse.Namespace) -> None:

@@ -10,7 +10,6 @@ import megatron.core.transformer.transformer_config as tc_module
 from gpu_checks import host_syncs_during, max_rel_error, run_layer as run, run_two_gpu_worker, small_moe_kwargs
 from megatron.moe_patches import apply, revert
 from megatron.moe_patches.experts import grouped_mm as f8
-from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
 from megatron.moe_patches.kernels.weighted_glu import glu_spec
 
@@ -65,7 +64,7 @@ def test_grouped_mm_backend_matches_stock(single_gpu, request, activation, exper
 
 
 @pytest.mark.quick
-def test_zero_host_syncs_at_ep1(single_gpu):
+def test_zero_host_syncs_at_ep1(single_gpu, host_copies):
     kwargs = small_moe_kwargs(64, 8, "swiglu")
     try:
         apply()
@@ -73,12 +72,12 @@ def test_zero_host_syncs_at_ep1(single_gpu):
         hidden = torch.randn(1024, 1, 256, device="cuda", dtype=torch.bfloat16)
         for _ in range(2):  # compile the fused activation, warm the allocator
             forward_backward(layer, hidden)
-        copies_before = eb._host_copies
+        host_copies.clear()
         syncs = host_syncs_during(lambda: forward_backward(layer, hidden))
     finally:
         revert()
     assert layer.experts.backend.name == "grouped_mm"
-    assert eb._host_copies == copies_before
+    assert host_copies == []
     assert not syncs, "\n".join(syncs)
 
 

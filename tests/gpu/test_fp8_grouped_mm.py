@@ -20,7 +20,6 @@ import torch
 import megatron.core.transformer.transformer_config as tc_module
 from gpu_checks import check_fp8_experts_against_stock, host_syncs_during, small_moe_kwargs
 from megatron.moe_patches import apply, revert
-from megatron.moe_patches.experts import backend as eb
 from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.testing.layer_harness import build_moe_layer, forward_backward
 
@@ -166,7 +165,7 @@ def test_weight_quantization_in_both_layouts_equals_the_pytorch_one(experts, out
 
 
 @pytest.mark.quick
-def test_weights_quantized_once_per_step_and_no_host_sync(single_gpu):
+def test_weights_quantized_once_per_step_and_no_host_sync(single_gpu, host_copies):
     try:
         apply()
         layer = build_moe_layer(tc_module.TransformerConfig(**kwargs_for(64, 8, "swiglu"), moe_device_tokens_per_expert=True))
@@ -176,10 +175,10 @@ def test_weights_quantized_once_per_step_and_no_host_sync(single_gpu):
         caches = list(layer.experts.backend._caches.values())
         assert [c.refreshes for c in caches] == [1, 1]  # two micro-batches, one quantization
         torch.optim.SGD(layer.parameters(), lr=1e-3).step()
-        copies_before = eb._host_copies
+        host_copies.clear()
         syncs = host_syncs_during(lambda: forward_backward(layer, hidden))
     finally:
         revert()
     assert [c.refreshes for c in caches] == [2, 2]  # the step made the cache stale
-    assert eb._host_copies == copies_before
+    assert host_copies == []
     assert not syncs, "\n".join(syncs)

@@ -76,19 +76,20 @@ def test_single_grouped_refusal_names_every_backend_reason():
     assert "moe_single_grouped_weight" in message and "grouped_mm: moe_device_tokens_per_expert is off" in message
 
 
-def test_host_copy_happens_in_one_place(monkeypatch):
+def test_host_copy_happens_in_one_place(host_copies):
     class DeviceCounts:  # stands in for a CUDA tensor on a CPU machine
         is_cuda = True
+        copied = 0
 
         def cpu(self):
+            self.copied += 1
             return torch.tensor([1, 2])
 
-    monkeypatch.setattr(eb, "_host_copies", 0)
     host = torch.tensor([3, 4])
-    assert eb.host_tokens_per_expert(host) is host and eb._host_copies == 0
-    assert eb.host_tokens_per_expert(DeviceCounts()).tolist() == [1, 2]
-    assert eb._host_copies == 1
-
+    assert eb.host_tokens_per_expert(host) is host and host_copies == []
+    counts = DeviceCounts()
+    assert eb.host_tokens_per_expert(counts).tolist() == [1, 2]
+    assert counts.copied == 1 and host_copies == [counts]
 
 def make_weights(num, out, inp, seed=0):
     generator = torch.Generator().manual_seed(seed)

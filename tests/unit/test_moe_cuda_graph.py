@@ -175,6 +175,75 @@ def test_scope_names():
     assert scope_names(None) == []
 
 
+@pytest.mark.parametrize("impl, scope, experts, expected", [
+    ("local", "moe", 8, "MOE_LAYER"),
+    ("transformer_engine", None, 8, "WHOLE_LAYER"),
+    ("local", "attn,moe", 8, "WHOLE_LAYER"),
+    ("local", "moe,mlp", 8, "MOE_LAYER"),  # refused by name by the config's rules
+    ("local", "full_iteration", 8, "FULL_ITERATION"),
+    ("local", "full_iteration", None, "FULL_ITERATION"),
+    ("transformer_engine", "full_iteration", 8, "NONE"),  # megatron-core's whole-iteration graph is local
+    ("local", "attn", 8, "NONE"),
+    ("local", None, None, "NONE"),  # dense layers: megatron-core's own graphs
+    ("none", "moe", 8, "NONE"),
+])
+def test_graph_scope_reads_configs_and_loop_args_alike(impl, scope, experts, expected):
+    """The one definition of the scope: a loop's args name the experts num_experts."""
+    import argparse
+
+    from megatron.moe_patches.graph_scopes import GraphScope, graph_scope
+
+    names = scope.split(",") if scope else []
+    args = argparse.Namespace(cuda_graph_impl=impl, cuda_graph_scope=names, num_experts=experts,
+                              moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False)
+    assert graph_scope(args) is GraphScope[expected]
+    if experts is not None and scope != "moe,mlp" and (impl, scope) != ("transformer_engine", "full_iteration"):
+        c = config(cuda_graph_impl=impl, cuda_graph_scope=scope or [], attention_dropout=0.0, hidden_dropout=0.0)
+        assert moe_plan.plan_for(c).graph_scope is GraphScope[expected]
+
+
+def test_drop_and_pad_is_megatron_cores_own_graph():
+    import argparse
+
+    from megatron.moe_patches.graph_scopes import GraphScope, graph_scope
+
+    args = argparse.Namespace(cuda_graph_impl="local", cuda_graph_scope=["moe"], num_experts=8,
+                              moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    assert graph_scope(args) is GraphScope.NONE
+
+
+@pytest.mark.parametrize("traits, named", [
+    (dict(host_nan_check=True), "--no-check-for-nan-in-loss-and-grad"),
+    (dict(batch_rampup=True), "--rampup-batch-size"),
+    (dict(timing_level=2), "--timing-log-level 0"),
+    (dict(spiky_loss_check=True), "drop --check-for-spiky-loss"),
+    (dict(), None),
+])
+def test_both_loops_judge_their_traits_by_one_rule(traits, named):
+    import argparse
+
+    from megatron.moe_patches import megatron_lm
+    from megatron.moe_patches.driver.arguments import _check_graph_scope
+    from megatron.moe_patches.graph_scopes import LoopTraits, full_iteration_loop_refusal
+
+    said = full_iteration_loop_refusal(LoopTraits(**traits))
+    assert (said is None) if named is None else (named in said)
+    driver = argparse.Namespace(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"],
+                                check_for_nan_in_loss_and_grad=traits.get("host_nan_check", False),
+                                rampup_batch_size=[2, 2, 40] if traits.get("batch_rampup") else None)
+    megatron = argparse.Namespace(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"],
+                                  timing_log_level=traits.get("timing_level", 0),
+                                  check_for_spiky_loss=traits.get("spiky_loss_check", False))
+    if set(traits) & {"host_nan_check", "batch_rampup"}:
+        with pytest.raises(ValueError) as refused:
+            _check_graph_scope(driver)
+        assert str(refused.value) == said
+    else:
+        _check_graph_scope(driver)
+    assert megatron_lm.full_iteration_refusal(megatron) == (said if set(traits) & {"timing_level", "spiky_loss_check"}
+                                                            else None)
+
+
 @pytest.mark.parametrize("overrides, ep, tp, expected", [
     (dict(), 1, 1, True),
     (dict(), 2, 1, False),  # other ranks' tokens: the local row count depends on routing
@@ -452,12 +521,12 @@ def test_ep2_rows_of_the_graph_table_ask_the_exchange_with_the_ep_size(graphable
 def test_which_configs_ask_for_dropless_moe_graphs(fields, graphs):
     import copy
 
-    from megatron.moe_patches.plan import graphs_dropless_moe
+    from megatron.moe_patches.plan import graph_scope
 
     c = copy.copy(config())
     for name, value in fields.items():
         setattr(c, name, value)
-    assert graphs_dropless_moe(c) is graphs
+    assert graph_scope(c).by_layer is graphs
 
 
 @pytest.mark.parametrize("overrides, reason", [

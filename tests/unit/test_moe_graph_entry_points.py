@@ -217,10 +217,10 @@ def test_other_scopes_beside_moe_are_refused_by_name(scope):
 
 @pytest.mark.parametrize("scope", [[], ["attn", "moe"], "attn,moe"])
 def test_the_whole_layer_scopes_are_accepted_and_planned(scope):
-    from megatron.moe_patches.plan import captures_whole_layers, plan_for
+    from megatron.moe_patches.plan import GraphScope, plan_for
 
     c = config(cuda_graph_scope=scope)
-    assert captures_whole_layers(c) and plan_for(c).graph_unit == "transformer layer"
+    assert plan_for(c).graph_scope is GraphScope.WHOLE_LAYER and plan_for(c).graph_unit == "transformer layer"
     assert plan_for(c).graph_blocker is None
 
 

@@ -120,21 +120,20 @@ def run(backend, experts, counts):
     return out
 
 
-def test_te_backend_hands_the_device_counts_to_both_grouped_linears(te_with, monkeypatch):
+def test_te_backend_hands_the_device_counts_to_both_grouped_linears(te_with, host_copies):
     experts = experts_module(te_with(takes_device_splits=True))
     state = {k: v.clone() for k, v in experts.state_dict().items()}
     backend = eb.TEBackend(experts)
     assert backend.passes_device_splits  # decided once, here
     assert experts.state_dict().keys() == state.keys()  # the same modules, parameters, state dict
 
-    monkeypatch.setattr(eb, "_host_copies", 0)
     counts = torch.tensor([2, 0, 3], dtype=torch.int32).as_subclass(OnDevice)
     out = run(backend, experts, counts)
     for linear in (experts.linear_fc1, experts.linear_fc2):
         (call,) = linear.calls
         assert call["m_splits_tensor"] is counts  # already int32: the very tensor, no copy
         assert list(call["m_splits"]) == [2, 0, 3]  # TE still reads the real list on the host
-    assert eb._host_copies == 1  # the one host copy per layer, no more
+    assert len(host_copies) == 1  # the one host copy per layer, no more
 
     # The same forward without device splits gives the same output.
     plain = eb.TEBackend.__new__(eb.TEBackend)
@@ -162,7 +161,7 @@ def test_counts_on_another_device_than_the_tokens_are_not_handed_to_te(te_with, 
     assert experts.linear_fc1.calls[0]["m_splits_tensor"] is None
 
 
-def test_without_m_splits_tensor_the_host_copy_stays_and_one_warning_says_so(te_with, monkeypatch, caplog):
+def test_without_m_splits_tensor_the_host_copy_stays_and_one_warning_says_so(te_with, host_copies, caplog):
     linear_class = te_with(takes_device_splits=False)
     experts = experts_module(linear_class)
     with caplog.at_level(logging.INFO, logger=eb.__name__):
@@ -175,9 +174,8 @@ def test_without_m_splits_tensor_the_host_copy_stays_and_one_warning_says_so(te_
     assert "takes no device splits (m_splits_tensor)" in warnings[0]
     assert "copied to the host once per layer" in warnings[0]
 
-    monkeypatch.setattr(eb, "_host_copies", 0)
     run(backend, experts, torch.tensor([2, 0, 3]).as_subclass(OnDevice))
-    assert eb._host_copies == 1
+    assert len(host_copies) == 1
     assert all("m_splits_tensor" not in linear.calls[0] for linear in (experts.linear_fc1, experts.linear_fc2))
 
 

@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
+import json
 import math
 import os
 import re
@@ -44,6 +45,8 @@ import torch
 from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.driver import checkpointing, compat, megatron_lm_flags
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS, add_moe_patch_args, config_kwargs_from_args
+from megatron.moe_patches.graph_scopes import (CAPTURED_SCOPES, GraphScope, LoopTraits, full_iteration_loop_refusal,
+                                               scope_names)
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, SHOWN_LIMIT, env_switch, flag_name, shown
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES, Recipe, RecipeError, UnknownKey, apply_recipe, load_recipe
 from megatron.moe_patches.version import __version__
@@ -58,369 +61,62 @@ FUSION_FLAGS = (
     ("--no-rope-fusion", "apply_rope_fusion", "RoPE (--position-embedding-type rope; Transformer Engine's kernel)"),
 )
 
-# A row of the flag tables: the option strings, and add_argument's other arguments.
-_Row = Tuple[Tuple[str, ...], dict]
+# driver_flags.jsonl, one JSON object a flag, in --help order: "group" (its --help section),
+# "flags" (the option strings), then add_argument's other arguments as they are, except
+# "type" by name (_FLAG_TYPES), "choices" as a list or {"table": NAME} (a tuple of
+# megatron_lm_flags) and a --attention-backend default {"attention_backend": member}. A row
+# {"group": ..., "rows_of": "FUSION_FLAGS"} stands for the fusion switches of FUSION_FLAGS.
+FLAG_TABLE = os.path.join(os.path.dirname(__file__), "driver_flags.jsonl")
 
 
-def _on(*spec, **kwargs) -> _Row:
-    """A switch that sets its dest to True: ``_on(name, [alias, ...], help, ...)``."""
-    return spec[:-1], dict(action="store_true", help=spec[-1], **kwargs)
+@functools.lru_cache(maxsize=None)
+def _flag_table() -> Tuple[dict, ...]:
+    with open(FLAG_TABLE, encoding="utf-8") as table:
+        return tuple(json.loads(line) for line in table)
 
 
-def _off(*spec, dest: str) -> _Row:
-    """A switch that sets ``dest`` (True by default) to False: ``_off(name, [alias, ...], help, dest=...)``."""
-    return spec[:-1], dict(action="store_false", dest=dest, help=spec[-1])
+def _flag_types(names: bool) -> dict:
+    """Type names to callables; with ``names`` --attention-backend holds the member's name until
+    ``megatron_lm_flags.resolve_names`` (megatron-core not imported yet)."""
+    backend = megatron_lm_flags.attention_backend_name if names else megatron_lm_flags.attention_backend
+    return {"int": int, "float": float, "attention_backend": backend}
 
 
-def _opt(*spec, **kwargs) -> _Row:
-    """A flag that takes values: ``_opt(name, [alias, ...], type, default, help, ...)``."""
-    value_type, default, help_text = spec[-3:]
-    return spec[:-3], dict(type=value_type, default=default, help=help_text, **kwargs)
+def _add_argument_kwargs(row: dict, names: bool) -> dict:
+    """add_argument's keyword arguments of a row of the flag table."""
+    kwargs = {key: value for key, value in row.items() if key not in ("group", "flags")}
+    if "type" in kwargs:
+        kwargs["type"] = _flag_types(names)[kwargs["type"]]
+    if isinstance(kwargs.get("choices"), dict):
+        kwargs["choices"] = getattr(megatron_lm_flags, kwargs["choices"]["table"])
+    if isinstance(kwargs.get("default"), dict):
+        member = megatron_lm_flags.AttnBackendName(kwargs["default"]["attention_backend"])
+        kwargs["default"] = member if names else member.value()
+    elif isinstance(kwargs.get("default"), list):
+        kwargs["default"] = list(kwargs["default"])  # each parser its own
+    if isinstance(kwargs.get("metavar"), list):
+        kwargs["metavar"] = tuple(kwargs["metavar"])  # argparse names each value of a tuple
+    return kwargs
 
 
-def _standard_flags(names: bool) -> Tuple[Tuple[str, Tuple[_Row, ...]], ...]:
-    """The driver's own flags, by --help group, in --help order; ``names`` as in ``_build_parser``."""
-    auto = megatron_lm_flags.AttnBackendName("auto")
-    model = (
-        _opt("--num-layers", int, None, "Number of transformer layers (required)."),
-        _opt("--hidden-size", int, None, "Transformer hidden size (model width; required)."),
-        _opt("--ffn-hidden-size", int, None,
-             "Hidden size of the MLP's first projection (default: 4 x --hidden-size; with --swiglu "
-             "2/3 of that, rounded down to a multiple of 64)."),
-        _opt("--num-attention-heads", int, None, "Number of attention heads (required)."),
-        _on("--group-query-attention",
-            "Grouped-query attention with --num-query-groups key/value groups (without it: "
-            "multi-head attention, one group per head)."),
-        _opt("--num-query-groups", int, 1, "Number of key/value groups; takes effect with --group-query-attention."),
-        _opt("--kv-channels", int, None,
-             "Projection size of each attention head "
-             "(default: --hidden-size / --num-attention-heads)."),
-        _opt("--seq-length", int, None, "Length of each training sample, in tokens (required)."),
-        _opt("--max-position-embeddings", int, None,
-             "Longest sequence the position embeddings cover, in tokens: at least --seq-length "
-             "(required)."),
-        _opt("--vocab-size", int, None,
-             "Number of token ids, the last one the end of document (required); with "
-             "--tokenizer-type NullTokenizer, Megatron-LM's count: ids 0 .. N, N the end of document. "
-             "The embedding table is padded to a multiple of 128 x --tensor-model-parallel-size."),
-        _opt("--tokenizer-type", None, None,
-             "NullTokenizer: token ids without a text tokenizer, --vocab-size counted as "
-             "Megatron-LM's null tokenizer counts it (the only type offered here).",
-             choices=megatron_lm_flags.TOKENIZER_TYPES),
-        _opt("--normalization", None, "LayerNorm", "Normalization layer type.", choices=["LayerNorm", "RMSNorm"]),
-        _opt("--norm-epsilon", float, 1e-5, "Epsilon of the normalization layers.", dest="layernorm_epsilon"),
-        _on("--apply-layernorm-1p",
-            "Zero-centred normalization weights (1 + gamma), for numerical stability.",
-            dest="layernorm_zero_centered_gamma"),
-        _on("--swiglu", "Use the SwiGLU gated activation in the MLPs instead of GeLU."),
-        _on("--disable-bias-linear", "Leave out the biases of the linear layers."),
-        _on("--add-qkv-bias", "Give the query/key/value projection a bias even with --disable-bias-linear."),
-        _opt("--position-embedding-type", None, "learned_absolute",
-             "Position embedding type: learned absolute embeddings or rotary (RoPE).",
-             choices=megatron_lm_flags.POSITION_EMBEDDING_TYPES),
-        _opt("--rotary-base", int, 10000,
-             "Base period of the rotary position embeddings (--position-embedding-type rope)."),
-        _on("--rotary-interleaved", "Rotate interleaved pairs of channels instead of the two halves (RoPE)."),
-        _opt("--rotary-percent", float, 1.0,
-             "Fraction of each head's channels that RoPE rotates (--position-embedding-type rope)."),
-        _on("--untie-embeddings-and-output-weights",
-            "Give the output layer its own weights instead of sharing the input embedding's."),
-        _on("--qk-layernorm", "Normalize the queries and keys before computing the attention scores."),
-        _opt("--init-method-std", float, 0.02,
-             "Standard deviation of the normal distribution the weights are initialized from."),
-        _opt("--embedding-init-method-std", float, None,
-             "Standard deviation for the embedding weights (default: --init-method-std)."),
-        _on("--apply-residual-connection-post-layernorm",
-            "Take the residual connection after the normalization instead of before it."),
-        _on("--fp32-residual-connection", "Keep the residual stream in fp32 (needs --bf16)."),
-        _opt("--hidden-dropout", float, 0.1, "Dropout probability on the outputs of the attention and MLP blocks."),
-        _opt("--attention-dropout", float, 0.1, "Dropout probability on the attention probabilities."),
-        _opt("--transformer-impl", None, "transformer_engine",
-             "Transformer layer implementation: Transformer Engine's or megatron-core's own.",
-             choices=megatron_lm_flags.TRANSFORMER_IMPLS),
-        _opt("--attention-backend",
-             megatron_lm_flags.attention_backend_name if names else megatron_lm_flags.attention_backend,
-             auto if names else auto.value(),
-             "Attention kernel: flash, fused, unfused, local or auto (Transformer Engine picks)."),
-        _on("--attention-softmax-in-fp32",
-            "Compute the attention softmax of megatron-core's own (local) attention in fp32 "
-            "(Megatron-LM's flag; off: in the parameters' dtype)."),
-        *(_off(flag, f"Compute {what} unfused (Megatron-LM's flag; fused by default, as there).", dest=dest)
-          for flag, dest, what in FUSION_FLAGS),
-        _on("--cross-entropy-loss-fusion", "Compute the language-model cross entropy with a fused kernel."),
-        _opt("--cross-entropy-fusion-impl", None, "native",
-             "Fused cross entropy kernel (--cross-entropy-loss-fusion): megatron-core's or "
-             "Transformer Engine's.", choices=["native", "te"]),
-        _off("--no-clone-scatter-output-in-embedding", "--disable-clone-scatter-output-in-embedding",
-             "Do not clone the embedding's sequence-parallel scatter output (saves memory).",
-             dest="clone_scatter_output_in_embedding"),
-    )
-    recompute = (
-        _on("--recompute-activations",
-            "Recompute the attention core in the backward pass (--recompute-granularity "
-            "selective)."),
-        _opt("--recompute-granularity", None, None,
-             "Recompute whole layers (full) or chosen parts (selective, --recompute-modules) in "
-             "the backward pass instead of keeping their activations (default: keep them).",
-             choices=["full", "selective"]),
-        _opt("--recompute-method", None, None,
-             "Full recomputation: of --recompute-num-layers layers per chunk (uniform), or of "
-             "the first --recompute-num-layers layers of each pipeline stage (block).", choices=["uniform", "block"]),
-        _opt("--recompute-num-layers", int, None, "Layers recomputed per chunk or stage (--recompute-method)."),
-        _opt("--recompute-modules", None, None,
-             "Parts recomputed with --recompute-granularity selective (megatron-core's names: "
-             "core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts; default: "
-             "core_attn).", nargs="+"),
-        _on("--distribute-saved-activations",
-            "Split the checkpointed activations across the tensor-parallel ranks "
-            "(full recomputation, TP > 1)."),
-    )
-    moe = (
-        _opt("--num-experts", int, None, "Number of experts in each MoE layer (default: a dense model, no experts)."),
-        _opt("--moe-ffn-hidden-size", int, None, "Hidden size of each expert's MLP (default: --ffn-hidden-size)."),
-        _opt("--moe-router-topk", int, 2, "Number of experts each token is routed to."),
-        _on("--moe-grouped-gemm", "Compute a rank's experts with grouped GEMMs instead of one GEMM per expert."),
-        _opt("--moe-token-dispatcher-type", None, "allgather",
-             "How tokens are sent to their experts' ranks: all-gather, all-to-all, or the flex "
-             "dispatcher (DeepEP or HybridEP).", choices=["allgather", "alltoall", "flex"]),
-        _opt("--moe-flex-dispatcher-backend", None, "deepep",
-             "Communication backend of the flex dispatcher (--moe-token-dispatcher-type flex).",
-             choices=["deepep", "hybridep"]),
-        _opt("--moe-router-load-balancing-type", None, "aux_loss",
-             "Router load balancing: auxiliary loss per micro-batch, per sequence or over the global "
-             "batch, Sinkhorn, or none; several types combine, each with its --moe-aux-loss-coeff.",
-             nargs="+", choices=megatron_lm_flags.MOE_LOAD_BALANCING_TYPES),
-        _opt("--moe-aux-loss-coeff", float, 0.0,
-             "Scaling coefficient of the load-balancing auxiliary loss (one per "
-             "--moe-router-load-balancing-type).", nargs="+"),
-        _opt("--moe-z-loss-coeff", float, None, "Scaling coefficient of the router's z-loss (default: no z-loss)."),
-        _opt("--moe-input-jitter-eps", float, None,
-             "Multiply the router input by uniform noise in [1 - eps, 1 + eps] (default: none)."),
-        _opt("--moe-router-score-function", None, "softmax", "Router score function.", choices=["softmax", "sigmoid"]),
-        _opt("--moe-router-topk-scaling-factor", float, None,
-             "Scale the top-k routing probabilities by this factor (default: 1)."),
-        _opt("--moe-router-dtype", None, None,
-             "Compute the routing in this precision (default: the model's).", choices=["fp32", "fp64"]),
-        _on("--moe-router-enable-expert-bias",
-            "Auxiliary-loss-free load balancing: a per-expert bias added to the routing scores, "
-            "updated after each step (needs --moe-router-score-function sigmoid)."),
-        _opt("--moe-router-bias-update-rate", float, 1e-3,
-             "Update rate of the expert bias (--moe-router-enable-expert-bias)."),
-        _opt("--moe-router-num-groups", int, None,
-             "Group-limited routing: the number of expert groups (default: no groups)."),
-        _opt("--moe-router-group-topk", int, None,
-             "Group-limited routing: the number of groups each token may be routed to."),
-        _on("--moe-router-force-load-balancing",
-            "Route the tokens evenly to the experts, ignoring the router (for benchmarks)."),
-        _on("--moe-router-fusion", "Compute the top-k routing with Transformer Engine's fused kernels."),
-        _opt("--moe-expert-capacity-factor", float, None,
-             "Expert capacity as a multiple of the even share of tokens; tokens beyond it are "
-             "dropped (default: dropless)."),
-        _on("--moe-pad-expert-input-to-capacity",
-            "Pad each expert's input to its capacity (with --moe-expert-capacity-factor)."),
-        _opt("--moe-token-drop-policy", None, "probs",
-             "Which tokens are dropped beyond capacity: those of lowest probability, or the last.",
-             choices=["probs", "position"]),
-        _on("--moe-apply-probs-on-input",
-            "Multiply the routing probabilities into the expert input instead of its output "
-            "(top-1 routing)."),
-        _on("--moe-layer-recompute",
-            "Recompute each MoE layer in the backward pass instead of keeping its activations."),
-        _on("--moe-permute-fusion", "Use Transformer Engine's fused kernels to permute and unpermute the tokens."),
-        _on("--moe-router-pre-softmax",
-            "Take the softmax over all router logits before the top-k selection "
-            "(without it: over the top-k logits after it)."),
-        _on("--moe-router-padding-for-quantization",
-            "Pad each expert's token count to the alignment the FP8 GEMMs need "
-            "(needs --fp8-format)."),
-        _opt("--moe-shared-expert-intermediate-size", int, None,
-             "Total hidden size of the shared experts, which process every token "
-             "(default: no shared experts)."),
-        _on("--moe-shared-expert-gate", "Scale the shared experts' output by a learned sigmoid gate."),
-        _on("--moe-shared-expert-overlap",
-            "Compute the shared experts while the routed tokens are exchanged (alltoall or flex)."),
-        _opt("--moe-deepep-num-sms", int, 20, "SMs DeepEP's kernels may use (--moe-flex-dispatcher-backend deepep)."),
-        _opt("--moe-hybridep-num-sms", int, 16,
-             "SMs HybridEP's kernels may use (--moe-flex-dispatcher-backend hybridep)."),
-        _on("--print-plan",
-            "Print what the MoE layers of this run would run on this machine, each decision with "
-            "its reason (the expert backend and why not the others, who pads, the exchange, "
-            "whether the layer can be a CUDA graph), and exit without training: no GPU needed."),
-    )
-    parallel = (
-        _opt("--tensor-model-parallel-size", int, 1,
-             "Tensor model parallel size: ranks each layer's weights are split across."),
-        _opt("--pipeline-model-parallel-size", int, 1,
-             "Pipeline model parallel size: stages the layers are split into."),
-        _opt("--expert-model-parallel-size", int, 1,
-             "Expert model parallel size: ranks the experts are distributed across."),
-        _opt("--expert-tensor-parallel-size", int, None,
-             "Tensor parallel size inside each expert (default: --tensor-model-parallel-size)."),
-        _on("--sequence-parallel",
-            "Split the work outside the tensor-parallel layers (norms, dropout) along the "
-            "sequence across the tensor-parallel ranks."),
-        _on("--overlap-moe-expert-parallel-comm",
-            "Hide the expert-parallel all-to-all behind the computation of another "
-            "micro-batch (megatron-core's combined 1F1B schedule); needs "
-            "--expert-model-parallel-size > 1, --moe-token-dispatcher-type alltoall or flex, "
-            "--bf16 and --pipeline-model-parallel-size 1."),
-        _on("--delay-wgrad-compute",
-            "Compute the weight gradients apart from the input gradients, so that they "
-            "overlap the all-to-all too; needs --overlap-moe-expert-parallel-comm and "
-            "--transformer-impl transformer_engine."),
-    )
-    graphs = (
-        _opt("--cuda-graph-impl", None, "none",
-             "Capture the layers as CUDA graphs, forward and backward. Dropless MoE needs "
-             "--moe-device-tokens-per-expert and EP 1 or --moe-symmetric-exchange (F11).",
-             choices=["none", "local", "transformer_engine"]),
-        _opt("--cuda-graph-scope", None, [],
-             "What to capture: moe (each MoE layer), attn moe or nothing (default: each "
-             "transformer layer whole), or full_iteration (--cuda-graph-impl local: every "
-             "micro-batch's forward and backward as one graph; needs "
-             "--no-check-for-nan-in-loss-and-grad).", nargs="+"),
-        _opt("--cuda-graph-warmup-steps", int, 3, "Training steps run eagerly before the capture."),
-    )
-    precision = (
-        _on("--bf16", "Train in bfloat16 mixed precision."),
-        _opt("--fp8-format", None, None,
-             "Run the GEMMs in FP8: e4m3 throughout, or hybrid (e4m3 forward, e5m2 "
-             "backward); needs --bf16 (default: no FP8).", choices=["e4m3", "hybrid"]),
-        _opt("--fp8-recipe", None, "delayed",
-             "FP8 scaling recipe (with --fp8-format).", choices=megatron_lm_flags.FP8_RECIPES),
-        _opt("--fp8-margin", int, 0, "Delayed scaling: margin of the scaling factor, as a power of 2."),
-        _opt("--fp8-amax-history-len", int, 1,
-             "Delayed scaling: number of steps of amax history the scaling factor is taken from."),
-        _opt("--fp8-amax-compute-algo", None, "most_recent",
-             "Delayed scaling: take the most recent amax of the history, or its maximum.",
-             choices=["most_recent", "max"]),
-        _off("--no-fp8-wgrad", "--disable-fp8-wgrad",
-             "Compute weight gradients in bf16, not FP8 (with --fp8-format).", dest="fp8_wgrad"),
-    )
-    train = (
-        _opt("--micro-batch-size", int, None, "Samples per micro-batch on each data-parallel rank (required)."),
-        _opt("--global-batch-size", int, None,
-             "Samples per optimizer step over all data-parallel ranks; a multiple of "
-             "--micro-batch-size x data-parallel size, reached by gradient accumulation "
-             "(default: --micro-batch-size x data-parallel size)."),
-        _opt("--rampup-batch-size", int, None,
-             "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT up to "
-             "--global-batch-size over SAMPLES samples, as Megatron-LM does (needs --train-samples; "
-             "default: the full batch from the first step).", nargs=3, metavar=("START", "INCREMENT", "SAMPLES")),
-        _opt("--train-iters", int, None,
-             "Number of training iterations (optimizer steps); this or --train-samples is required."),
-        _opt("--train-samples", int, None,
-             "Train on this many samples instead of --train-iters iterations: the run's length, "
-             "the learning-rate schedule and --rampup-batch-size are then counted in samples."),
-        _opt("--lr", float, None, "Peak learning rate, reached after the warmup (required)."),
-        _opt("--min-lr", float, 0.0, "Learning rate the decay ends at."),
-        _opt("--lr-decay-style", None, "linear",
-             "Learning rate decay after the warmup.", choices=megatron_lm_flags.LR_DECAY_STYLES),
-        _opt("--lr-warmup-iters", int, 0, "Iterations of linear learning rate warmup from 0 to --lr."),
-        _opt("--lr-warmup-fraction", float, None,
-             "Warmup as a fraction of --lr-decay-iters, instead of --lr-warmup-iters."),
-        _opt("--lr-decay-iters", int, None,
-             "Iterations the learning rate decays over, warmup included (default: --train-iters)."),
-        _opt("--lr-warmup-samples", int, 0,
-             "Samples of linear learning rate warmup from 0 to --lr (with --train-samples)."),
-        _opt("--lr-decay-samples", int, None,
-             "Samples the learning rate decays over, warmup included (with --train-samples; "
-             "default: --train-samples)."),
-        _opt("--weight-decay", float, 0.01, "Weight decay coefficient."),
-        _opt("--clip-grad", float, 1.0, "Clip the gradients to this global L2 norm."),
-        _opt("--adam-beta1", float, 0.9, "Adam's decay rate of the first moment (gradient mean)."),
-        _opt("--adam-beta2", float, 0.999, "Adam's decay rate of the second moment (squared gradient mean)."),
-        _opt("--adam-eps", float, 1e-8, "Term added to Adam's denominator for numerical stability."),
-        _opt("--seed", int, 1234, "Random seed of the weight initialization, dropout and the data order."),
-        _on("--use-distributed-optimizer", "Shard the optimizer states across the data-parallel ranks."),
-        _on("--overlap-grad-reduce", "Overlap the data-parallel gradient reduction with the backward pass."),
-        _off("--no-gradient-accumulation-fusion",
-             "Have DDP add each micro-batch's weight gradients to the fp32 main grads instead of the "
-             "weight-gradient GEMMs (Megatron-LM's flag; by default they add into them, no APEX needed).",
-             dest="gradient_accumulation_fusion"),
-        _off("--no-check-for-nan-in-loss-and-grad",
-             "Do not stop the run on a NaN or Inf loss or gradient (Megatron-LM's flag; by default "
-             "each micro-batch's loss and the reduced gradients are checked).", dest="check_for_nan_in_loss_and_grad"),
-        _on("--deterministic-mode", "Use deterministic kernels only, so that runs and resumed runs reproduce exactly."),
-    )
-    data = (
-        _on("--mock-data", "Train on synthetic data (also what happens without --data-path)."),
-        _opt("--data-path", None, None,
-             "Megatron indexed dataset prefixes: 'prefix ...' or 'weight prefix weight prefix ...' "
-             "to blend several (default: synthetic data).", nargs="*"),
-        _opt("--split", None, None,
-             "Comma-separated weights of the train, validation and test splits of --data-path "
-             "(default there: Megatron-LM's legacy 969, 30, 1, with a warning)."),
-        _opt("--data-cache-path", None, None,
-             "Directory for the dataset index caches (default: beside the dataset files)."),
-    )
-    log = (
-        _opt("--log-interval", int, 100, "Print the loss, learning rate and timing every this many iterations."),
-        _opt("--tensorboard-dir", None, None,
-             "Write the logged metrics (loss, learning rate, grad norm, iteration time, "
-             "throughput, memory) as TensorBoard scalars into this directory; needs the "
-             "tensorboard package (default: no TensorBoard)."),
-        _opt("--timing-log-level", int, 0,
-             "1: also time the forward-backward and optimizer phases of each iteration "
-             "(adds a GPU sync between them).", choices=megatron_lm_flags.TIMING_LOG_LEVELS),
-        _on("--log-params-norm",
-            "Log the L2 norm of all parameters (each counted once over the model-parallel ranks) "
-            "each logged iteration as 'params norm' and the TensorBoard scalar params-norm."),
-        _on("--log-num-zeros-in-grad",
-            "Count the zero entries of the gradients (the optimizer's main grads, before "
-            "its step) and log them each logged iteration as 'num zeros' and the TensorBoard "
-            "scalar num-zeros (adds a GPU sync)."),
-        _on("--moe-per-layer-logging",
-            "Also log each MoE layer's auxiliary losses: the TensorBoard scalars "
-            "moe/<loss>_layer_<i> (as Megatron-LM) and the same values after Megatron-LM's "
-            "fields of each logged line."),
-        _on("--log-throughput",
-            "Log the throughput (TFLOP/s per GPU and tokens/s) each logged iteration and as the "
-            "TensorBoard scalars throughput and tokens-per-sec. On by default here (Megatron-LM's "
-            "default is off): a recipe's log_throughput: false leaves it out.", default=True),
-        _opt("--eval-interval", int, None,
-             "Evaluate on the validation split every this many iterations, and once more at the end "
-             "(default: no evaluation)."),
-        _opt("--eval-iters", int, 100,
-             "Global batches of the validation split (and of the test split, at the end) each "
-             "evaluation reads, with --eval-interval; 0: no evaluation."),
-        _opt("--save", None, None,
-             "Directory to save checkpoints to; one is always saved at the end "
-             "(default: no checkpoints)."),
-        _opt("--load", None, None, "Checkpoint directory to resume from (default: train from scratch)."),
-        _on("--no-load-optim",
-            "With --load: load the model weights and the iteration only; the optimizer "
-            "states and the learning-rate schedule start afresh, and the fp32 main params are "
-            "copied from the loaded weights.", default=None),
-        _on("--load-main-params-from-ckpt",
-            "With --no-load-optim: take the fp32 main params from the checkpoint's model "
-            "tensors (megatron-core's reload_model_params(state_dict)) rather than from the "
-            "model's bf16 params; needs --load, --bf16 and --use-distributed-optimizer."),
-        _opt("--save-interval", "--persistent-save-interval", int, None,
-             "Save a checkpoint every this many iterations; needs --save "
-             "(default: only at the end)."),
-        _on("--dist-ckpt-optim-fully-reshardable",
-            "Save distributed-optimizer states per parameter (loads across DP/EP sizes "
-            "and expert layouts) instead of per-DP-rank buffers."),
-        _on("--use-checkpoint-args",
-            "Take the model-defining args and the MoE patch flags from the --load checkpoint."),
-        _on("--exit-on-missing-checkpoint",
-            "With --load: stop (exit status 2) when there is no checkpoint to load, "
-            "instead of warning and training from scratch."),
-        _opt("--yaml-cfg", None, None,
-             "Recipe file or built-in recipe name whose values become the defaults (flags on "
-             "the command line win): flat 'flag: value' or Megatron's nested form."),
-    )
-    return (("model", model), ("activation recomputation", recompute), ("mixture of experts", moe),
-            ("parallelism", parallel), ("CUDA graphs", graphs), ("precision", precision), ("training", train),
-            ("data", data), ("logging and checkpoints", log))
+def _fusion_switches() -> Tuple[Tuple[Tuple[str, ...], dict], ...]:
+    return tuple(((flag,), dict(action="store_false", dest=dest,
+                                help=f"Compute {what} unfused (Megatron-LM's flag; fused by default, as there)."))
+                 for flag, dest, what in FUSION_FLAGS)
 
 
 def _add_standard_args(parser: argparse.ArgumentParser, names: bool = False) -> None:
-    for title, rows in _standard_flags(names):
-        group = parser.add_argument_group(title)
+    """The driver's own flags from its table, by --help group; ``names`` as in ``_build_parser``."""
+    groups = {}
+    for row in _flag_table():
+        if row["group"] not in groups:
+            groups[row["group"]] = parser.add_argument_group(row["group"])
+        if row.get("rows_of") == "FUSION_FLAGS":
+            rows = _fusion_switches()
+        else:
+            rows = ((tuple(row["flags"]), _add_argument_kwargs(row, names)),)
         for option_strings, kwargs in rows:
-            group.add_argument(*option_strings, **kwargs)
+            groups[row["group"]].add_argument(*option_strings, **kwargs)
 
 
 class DriverHelpFormatter(argparse.HelpFormatter):
@@ -1586,29 +1282,26 @@ def _parser_defaults() -> Dict[str, object]:
     return {dest: action.default for dest, action in _parser_actions().items()}
 
 
-# The scopes this driver captures: the MoE layers, each layer whole, or the whole iteration.
-DRIVER_GRAPH_SCOPES = ({"moe"}, set(), {"attn", "moe"}, {"full_iteration"})
-
-
 def _check_graph_scope(args) -> None:
+    """The allow-list of scopes (``plan.graphs.CAPTURED_SCOPES``), and what this loop runs inside
+    a captured iteration (``plan.graphs.full_iteration_loop_refusal``)."""
     if args.cuda_graph_impl == "none":
         return
-    scope = set(args.cuda_graph_scope or [])
+    scope = CAPTURED_SCOPES.get(frozenset(scope_names(args.cuda_graph_scope)))
     given = " ".join(args.cuda_graph_scope or ["(none: each layer whole)"])
-    if scope not in DRIVER_GRAPH_SCOPES:
+    if scope is None:
         raise ValueError(f"--cuda-graph-scope {given}: this pretrain_gpt.py captures moe (each MoE layer), "
                          "each transformer layer whole (no scope, or attn moe) or full_iteration; use one of "
                          "those, or Megatron-LM's training loop for megatron-core's other graph scopes")
-    if scope == {"full_iteration"}:
+    if scope is GraphScope.FULL_ITERATION:
         if args.cuda_graph_impl != "local":
             raise ValueError("--cuda-graph-scope full_iteration needs --cuda-graph-impl local (megatron-core's "
                              "capture of the whole iteration)")
-        if args.check_for_nan_in_loss_and_grad:
-            raise ValueError("--cuda-graph-scope full_iteration needs --no-check-for-nan-in-loss-and-grad: the "
-                             "check reads each loss on the host, which a replayed iteration cannot")
-        if args.rampup_batch_size is not None:
-            raise ValueError("--cuda-graph-scope full_iteration with --rampup-batch-size: the captured iteration "
-                             "has a fixed number of micro-batches, and the ramp-up changes it")
+        traits = LoopTraits(host_nan_check=bool(args.check_for_nan_in_loss_and_grad),
+                            batch_rampup=args.rampup_batch_size is not None)
+        refusal = full_iteration_loop_refusal(traits)
+        if refusal is not None:
+            raise ValueError(refusal)
 
 
 def _check_only_with(args: argparse.Namespace) -> None:

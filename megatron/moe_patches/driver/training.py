@@ -495,9 +495,9 @@ def whole_iteration_graph(forward_backward, args):
     """--cuda-graph-scope full_iteration: megatron-core's capture of every micro-batch's forward
     and backward as one graph (after --cuda-graph-warmup-steps steps), as Megatron-LM's loop
     wraps its training steps; evaluation runs eagerly."""
-    from megatron.moe_patches.plan.graphs import asks_full_iteration
+    from megatron.moe_patches.graph_scopes import GraphScope, graph_scope
 
-    if not asks_full_iteration(args):
+    if graph_scope(args) is not GraphScope.FULL_ITERATION:
         return forward_backward
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 

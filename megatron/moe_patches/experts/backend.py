@@ -40,14 +40,9 @@ logger = logging.getLogger(__name__)
 # Precisions a backend computes in: no FP8/FP4 recipe, FP8, FP4.
 BF16, FP8, FP4 = "bf16", "FP8", "FP4"
 
-_host_copies = 0  # how many times host_tokens_per_expert copied (tests read it)
-
-
 def host_tokens_per_expert(tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """The one place the experts take the per-expert counts to the host."""
-    global _host_copies
     if tokens_per_expert_E.is_cuda:
-        _host_copies += 1
         return tokens_per_expert_E.cpu()
     return tokens_per_expert_E
 

@@ -68,7 +68,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.moe_patches.plan import captures_whole_layers, graphs_dropless_moe, plan_for
+from megatron.moe_patches.plan import GraphScope, graph_scope, plan_for
 
 # The stock objects, kept before apply() binds megatron-core's names to this module's.
 _STOCK_TE_HELPER = mcore_graphs.TECudaGraphHelper
@@ -384,7 +384,8 @@ def capture_layers(layers, shape: Tuple[int, ...], dtype: torch.dtype, config, w
         graphs = LayerGraphs(layers, sample_TBH, context=lambda: get_fp8_context(config),
                                 sample_kwargs=kwargs).install()
     _captures.append(graphs)
-    what = "transformer layers (attention and MoE)" if captures_whole_layers(config) else "MoE layers"
+    whole = graph_scope(config) is GraphScope.WHOLE_LAYER
+    what = "transformer layers (attention and MoE)" if whole else "MoE layers"
     _print_rank0(f"moe_patches: captured {len(layers)} {what} as CUDA graphs (forward and backward, "
                  f"input {list(shape)}) {when}, in {time.time() - tick:.1f} s")
     return graphs
@@ -413,14 +414,14 @@ class DroplessMoEGraphHelper:
     """
 
     def __new__(cls, model, config, seq_length, micro_batch_size, optimizers=()):
-        if not graphs_dropless_moe(config):
+        if not graph_scope(config).by_layer:
             return _STOCK_TE_HELPER(model, config, seq_length, micro_batch_size, list(optimizers))
         return super().__new__(cls)
 
     def __init__(self, model, config, seq_length, micro_batch_size, optimizers=()):
         self.config = config
         self.calls = _Calls()
-        if captures_whole_layers(config):
+        if graph_scope(config) is GraphScope.WHOLE_LAYER:
             self.layers = transformer_layers(model)
             self.hooks = [layer.register_forward_pre_hook(self.calls.hook, with_kwargs=True) for layer in self.layers]
         else:
@@ -556,9 +557,10 @@ def manager_factory(layer_class, stock_factory):
     ``stock_factory`` gives it."""
 
     def create_mcore_cudagraph_manager(self, config):
-        if captures_whole_layers(config):
+        scope = graph_scope(config)
+        if scope is GraphScope.WHOLE_LAYER:
             self.cudagraph_manager = DroplessMoEGraphManager(whole_layer=True)
-        elif graphs_dropless_moe(config) and _builds_moe_layer(self.submodules_config.mlp):
+        elif scope is GraphScope.MOE_LAYER and _builds_moe_layer(self.submodules_config.mlp):
             self.cudagraph_manager = DroplessMoEGraphManager()
         else:
             stock_factory(self, config)

@@ -41,6 +41,7 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches.experts.backend import ExpertBackend
 from megatron.moe_patches.experts.padding import PaddingPlan
 from megatron.moe_patches.fields import log_once
+from megatron.moe_patches.graph_scopes import GraphScope, graph_scope, scope_names
 from megatron.moe_patches.plan.backends import (
     FALLBACK,
     backend_blocker,
@@ -60,8 +61,7 @@ from megatron.moe_patches.plan.exchange import (
     choose_exchange,
     exchange_config_errors,
 )
-from megatron.moe_patches.plan.graphs import (asks_full_iteration, captures_whole_layers, full_iteration_blocker,
-                                              graph_blocker, graphs_dropless_moe, scope_names)
+from megatron.moe_patches.plan.graphs import full_iteration_blocker, graph_blocker
 from megatron.moe_patches.plan.padding import choose_padding, fused_permute_pad_blocker, static_padding_blocker
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size, precision_of
 
@@ -71,7 +71,7 @@ __all__ = [
     "fused_permute_pad_blocker", "static_padding_blocker",
     "ALLTOALL", "SYMMETRIC_MEMORY", "ALLGATHER", "FLEX", "EP1_NOTHING_TO_EXCHANGE", "ExchangeChoice",
     "exchange_config_errors",
-    "graphs_dropless_moe", "captures_whole_layers", "scope_names",
+    "GraphScope", "graph_scope", "scope_names",
     "precision_of", "expert_tp_size", "ep_size",
 ]
 
@@ -105,11 +105,20 @@ class MoEPlan:
     wgrad_into_main_grad: bool = False
     # the TE backend hands TE's GroupedLinear the device counts too (m_splits_tensor, F8)
     te_device_splits: bool = False
-    graph_unit: str = "MoE layer"  # what F11 captures: the MoE layer, or the transformer layer whole
-    full_iteration: bool = False  # the config asks for megatron-core's graph of the whole iteration
+    graph_scope: GraphScope = GraphScope.NONE  # what the CUDA graphs capture (plan/graphs.py decides)
     full_iteration_blocker: Optional[str] = None  # why that graph cannot hold the MoE layers
     # the patch set's kernels run in Triton (else their PyTorch twins: Triton is not importable)
     triton_kernels: bool = True
+
+    @property
+    def graph_unit(self) -> str:
+        """What F11's graph holds: the transformer layer whole, or the MoE layer."""
+        return "transformer layer" if self.graph_scope is GraphScope.WHOLE_LAYER else "MoE layer"
+
+    @property
+    def full_iteration(self) -> bool:
+        """Whether the config asks for megatron-core's graph of the whole iteration."""
+        return self.graph_scope is GraphScope.FULL_ITERATION
 
     @property
     def backend_refusals(self) -> Tuple[BackendSupport, ...]:
@@ -184,21 +193,21 @@ def make_plan(config, facts: Optional[cap.MachineFacts] = None) -> MoEPlan:
     padding = choose_padding(config, backend, notes)
     exchange = choose_exchange(config, backend, padding, notes)
     wgrad_fused = wgrad_into_main_grad(config, backend, notes)
+    scope = graph_scope(config)
     return MoEPlan(
         backend=backend,
         backend_support=support,
         padding=padding,
         exchange=exchange,
         single_grouped_refusal=single_grouped_refusal(config, backend, support),
-        graph_blocker=graph_blocker(config, backend, blockers, exchange),
+        graph_blocker=graph_blocker(config, backend, blockers, exchange, scope),
         ep_size=ep_size(config),
         expert_tp_size=expert_tp_size(config),
         notes=tuple(Note(*note) for note in notes),  # the rules' (level, line) pairs
         wgrad_into_main_grad=wgrad_fused,
         te_device_splits=te_device_splits(config, backend),
-        graph_unit="transformer layer" if captures_whole_layers(config) else "MoE layer",
-        full_iteration=asks_full_iteration(config),
-        full_iteration_blocker=full_iteration_blocker(config, backend, blockers, exchange),
+        graph_scope=scope,
+        full_iteration_blocker=full_iteration_blocker(config, backend, blockers, exchange, scope),
         triton_kernels=facts.triton,
     )
 

@@ -1,9 +1,9 @@
 """Whether a config's MoE layer can be captured as one CUDA graph, and why not (F11).
 
 megatron-core 0.16.1 graphs only drop-and-pad MoE layers; F11 graphs dropless ones
-(``graphs/layer_graphs.py``) where the config asks for it (``graphs_dropless_moe``): each
+(``graphs/layer_graphs.py``) where the config asks for it (``graph_scopes.py``'s ``graph_scope``): each
 MoE layer (``--cuda-graph-scope moe``) or each transformer layer whole, attention and MoE in
-one graph (no scope, or ``attn moe``; ``captures_whole_layers``). A graph replays fixed shapes
+one graph (no scope, or ``attn moe``). A graph replays fixed shapes
 and addresses without the host, so the layer must keep its token counts on the device,
 exchange tokens without host split sizes (EP 1, or the symmetric exchange of
 ``plan/exchange.py``), run one rank of tensor and pipeline parallelism, route without
@@ -11,66 +11,26 @@ dropping or random numbers (input jitter, forced load balancing), and run expert
 device counts (``plan/backends.py``).
 ``graph_blocker`` names the first of those the config breaks. ``full_iteration`` (megatron-core's
 capture of every micro-batch's forward and backward as one graph) runs the MoE layers inside
-that graph and needs the same of them (``full_iteration_blocker``).
+that graph and needs the same of them (``full_iteration_blocker``); what each training loop
+runs inside the captured step is ``graph_scopes.py``'s rule.
 """
 
-from typing import List, Optional
+from typing import Optional
 
 from megatron.moe_patches.fields import patch_option
+from megatron.moe_patches.graph_scopes import GraphScope
 from megatron.moe_patches.plan.exchange import ALLGATHER, ALLTOALL, SYMMETRIC_MEMORY, ExchangeChoice
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size
 
-# The scopes F11 captures for dropless MoE: the MoE layers, or whole transformer layers.
-MOE_SCOPE = frozenset({"moe"})
-WHOLE_LAYER_SCOPES = (frozenset(), frozenset({"attn", "moe"}))
-FULL_ITERATION = "full_iteration"
 # FP8 recipes whose scales the kernels compute on the device from the tensor at hand (TE's
 # current scaling, blockwise): a whole layer under them replays without TE's host state.
 GRAPHED_FP8_RECIPES = ("tensorwise", "blockwise")
 
 
-def graphs_dropless_moe(config) -> bool:
-    """Whether the config's CUDA graphs take in dropless MoE layers as F11 captures them: the
-    ``moe`` scope, or the whole layer (no scope; megatron-core 0.16.1 graphs only drop-and-pad
-    MoE layers)."""
-    names = scope_names(config.cuda_graph_scope)
-    return (config.cuda_graph_impl in ("local", "transformer_engine")
-            and config.num_moe_experts is not None
-            and not (config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity)
-            and ("moe" in names or not names))
-
-
-def holds_moe_layers(names: List[str]) -> bool:
-    """Whether graphs of these scopes hold the MoE layers: the moe scope, the whole layer (no
-    scope) or the whole iteration."""
-    return "moe" in names or not names or FULL_ITERATION in names
-
-
-def asks_full_iteration(settings) -> bool:
-    """Whether a config or a run's args ask for megatron-core's whole-iteration graph
-    (``--cuda-graph-impl local --cuda-graph-scope full_iteration``)."""
-    return (getattr(settings, "cuda_graph_impl", "none") == "local"
-            and FULL_ITERATION in scope_names(getattr(settings, "cuda_graph_scope", None)))
-
-
-def captures_whole_layers(config) -> bool:
-    """Whether F11 captures each transformer layer whole (attention and MoE in one graph)."""
-    return graphs_dropless_moe(config) and frozenset(scope_names(config.cuda_graph_scope)) in WHOLE_LAYER_SCOPES
-
-
-def scope_names(scope) -> List[str]:
-    """megatron-core's cuda_graph_scope (a string, a CudaGraphScope, or a list of either)
-    as a list of scope names."""
-    if scope is None:
-        return []
-    items = scope.split(",") if isinstance(scope, str) else scope if isinstance(scope, (list, tuple)) else [scope]
-    return [getattr(item, "name", item) for item in items]
-
-
-def graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Optional[str]:
+def graph_blocker(config, backend, blockers, exchange: ExchangeChoice, scope: GraphScope) -> Optional[str]:
     """Why this config's MoE layer cannot be captured as one CUDA graph, or None. ``blockers``:
     each backend with why it cannot run the config (named where the chosen one takes host
-    counts)."""
+    counts); ``scope``: the config's ``graph_scope``."""
     reason = _host_sync_blocker(config, backend, blockers, exchange)
     if reason is not None:
         return reason
@@ -92,7 +52,7 @@ def graph_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Option
     reason = _host_counts_blocker(backend, blockers)
     if reason is not None:
         return reason
-    if captures_whole_layers(config):
+    if scope is GraphScope.WHOLE_LAYER:
         return _whole_layer_blocker(config)
     return None
 
@@ -153,12 +113,12 @@ def _whole_layer_blocker(config) -> Optional[str]:
     return None
 
 
-def full_iteration_blocker(config, backend, blockers, exchange: ExchangeChoice) -> Optional[str]:
+def full_iteration_blocker(config, backend, blockers, exchange: ExchangeChoice, scope: GraphScope) -> Optional[str]:
     """Why megatron-core's ``full_iteration`` graph cannot hold this config's MoE layers, or
     None (also where it is not asked for). The graph replays whole iterations, so only what
     waits for the host matters, not what a per-layer capture needs (pipeline stages, side
     streams and recompute are all inside the one graph)."""
-    if config.num_moe_experts is None or not asks_full_iteration(config):
+    if config.num_moe_experts is None or scope is not GraphScope.FULL_ITERATION:
         return None
     reason = _host_sync_blocker(config, backend, blockers, exchange) or _host_counts_blocker(backend, blockers)
     if reason is not None:
@@ -170,3 +130,4 @@ def full_iteration_blocker(config, backend, blockers, exchange: ExchangeChoice) 
         return ("--cuda-graph-warmup-steps 0: the first iteration would be captured before anything ran "
                 "(the exchange's buffers, the kernels' first launches); use at least 1")
     return None
+
