@@ -21,6 +21,7 @@ from megatron.moe_patches.driver.megatron_lm_flags import BY_NAME, FLAGS, NOT_OF
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES
 
 from driver_model import REQUIRED, indexed_dataset
+from megatron_lm_on_cpu import SUBPROCESS_PREAMBLE
 
 pytestmark = pytest.mark.usefixtures("one_rank")
 
@@ -371,7 +372,10 @@ def test_every_flag_of_megatron_lms_parser_is_in_the_table():
     if not checkout:
         pytest.skip("set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.1 checkout")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-c", _LIST_MEGATRON_LM_FLAGS], capture_output=True, text=True, env=env,
+    # SUBPROCESS_PREAMBLE: megatron_lm_on_cpu's stand-in for megatron-core's `import triton` (an
+    # import only) where Triton is not installed, as on CPU CI; parsing launches no kernel.
+    run = subprocess.run([sys.executable, "-c", SUBPROCESS_PREAMBLE + _LIST_MEGATRON_LM_FLAGS], capture_output=True,
+                         text=True, env=env,
                          cwd=checkout)
     assert run.returncode == 0, f"importing megatron.training.arguments from {checkout} failed:\n{run.stderr[-3000:]}"
     flags = json.loads(run.stdout)

@@ -5,15 +5,18 @@ wiring of the checkpoint-args hook against a small fake ``megatron.training``. T
 marked ``real_megatron_lm`` run Megatron-LM core_v0.16.1 itself (its argument parser and
 --help, pretrain_gpt.py edited as README says, the config it builds, ``initialize_megatron``
 reading a checkpoint's args); they need the checkout named by ``MEGATRON_LM_PATH`` and skip
-without it.
+without it. On a machine without Triton (CPU CI) they import it with megatron_lm_on_cpu's
+stand-in for megatron-core's ``import triton`` (an import only: no kernel runs in them).
 """
 
 import argparse
+import importlib.util
 import logging
 import os
 import re
 import subprocess
 import sys
+import textwrap
 import types
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from megatron.moe_patches.fields import PATCH_FIELD_NAMES, PATCH_FIELDS
 
 from fake_megatron_lm import MEGATRON_LM_MODULES as FAKE_MODULES
 from fake_megatron_lm import fake_training as install_fake_training, nothing_enabled  # noqa: F401  (autouse)
+from megatron_lm_on_cpu import SUBPROCESS_PREAMBLE, import_batch_invariant_kernels
 
 STOCK_CONFIG = tc_module.TransformerConfig
 SWITCHES = [f.name for f in PATCH_FIELDS if f.default is False]
@@ -281,6 +285,30 @@ real_megatron_lm = pytest.mark.skipif(
 
 
 
+def test_the_triton_stand_in_serves_one_import_and_leaves_no_triton_behind():
+    """megatron_lm_on_cpu's stand-in, run as the subprocesses below run it (no checkout needed):
+    megatron-core's batch_invariant_kernels imports, its kernels refuse to launch, and nothing
+    else finds a Triton afterwards (megatron-core, torch, our capability check)."""
+    if importlib.util.find_spec("triton") is not None:
+        pytest.skip("Triton is installed here: the stand-in is not used")
+    code = SUBPROCESS_PREAMBLE + textwrap.dedent("""
+        import importlib.util, sys
+        import megatron.core.utils, torch.utils._triton
+        from megatron.core.transformer.custom_layers import batch_invariant_kernels
+        from megatron.moe_patches import capabilities
+        assert "triton" not in sys.modules and importlib.util.find_spec("triton") is None
+        assert not megatron.core.utils.HAVE_TRITON and not torch.utils._triton.has_triton_package()
+        assert not capabilities.triton_available()
+        try:
+            batch_invariant_kernels.matmul_kernel_persistent[(1,)]()
+        except RuntimeError as error:
+            print(error)
+    """)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "matmul_kernel_persistent" in out.stdout and "no Triton kernel runs here" in out.stdout
+
+
 @pytest.fixture(scope="module")
 def megatron_training():
     """Megatron-LM's ``megatron.training`` from the checkout (after site-packages on the path,
@@ -290,6 +318,7 @@ def megatron_training():
     # Megatron-LM's training module configures the root logger when imported.
     root_handlers, root_level = logging.root.handlers[:], logging.root.level
     try:
+        import_batch_invariant_kernels()  # megatron.training.initialize's import of Triton, on a CPU
         from megatron.training import arguments, checkpointing, initialize
     except ImportError as error:
         sys.path.remove(path)
@@ -358,7 +387,7 @@ def test_pretrain_gpt_with_the_readme_lines_shows_the_patch_flags_help(megatron_
     assert source.count(MAIN_BLOCK) == 1
     edited = tmp_path / "pretrain_gpt.py"
     edited.write_text(README_IMPORT + source.replace(MAIN_BLOCK, MAIN_BLOCK + README_CALL))
-    run = (f"import runpy, sys; sys.path.append({megatron_training.path!r}); "
+    run = (SUBPROCESS_PREAMBLE + f"import runpy, sys; sys.path.append({megatron_training.path!r}); "
            f"sys.argv = [{str(edited)!r}, '--help']; runpy.run_path(sys.argv[0], run_name='__main__')")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", run], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "100000"}, timeout=300)
