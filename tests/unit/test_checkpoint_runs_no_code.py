@@ -5,7 +5,6 @@ torch_dist index is made of), the common state by torch.load with weights_only g
 that needs anything else is refused unread, naming the file and the global, in both loops.
 Real indexes, as torch and megatron-core write them, still read."""
 
-import argparse
 import io
 import os
 import pickle
@@ -16,15 +15,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from megatron.moe_patches import megatron_lm
 from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.driver.training import main
-from megatron.moe_patches.fields import PATCH_FIELDS
 
 import checkpoint_files
 from driver_model import REQUIRED
-from fake_megatron_lm import MEGATRON_LM_MODULES
-from fake_megatron_lm import fake_training as install_fake_training, nothing_enabled  # noqa: F401  (autouse)
+from fake_megatron_lm import fake_training, nothing_enabled  # noqa: F401  (autouse)
+from test_megatron_lm_load_before_start import initialize  # noqa: F401  (the fixture: Megatron-LM's start-up)
 
 pytestmark = pytest.mark.usefixtures("one_rank")
 
@@ -116,46 +113,20 @@ def test_a_hostile_index_in_an_older_iteration_is_refused_too(tmp_path, refused)
 # --- Megatron-LM's loop (megatron_lm.enable()) ---------------------------------------------
 
 
-@pytest.fixture
-def initialize(monkeypatch, capsys):
-    """Megatron-LM's initialize_megatron (a stand-in) after enable(); returns the error line of
-    a refused run, or None where the run goes on."""
-    package = install_fake_training(monkeypatch, MEGATRON_LM_MODULES)
-    megatron_lm.enable()
-    monkeypatch.setattr(megatron_lm, "check_config_before_start", lambda args: None)  # not judged here
-
-    def run(**given):
-        defaults = {f.name: f.default for f in PATCH_FIELDS}
-        args = argparse.Namespace(**{**defaults, "use_checkpoint_args": False, "ckpt_format": "torch_dist",
-                                     "ckpt_step": None, "no_load_optim": False, "finetune": False,
-                                     "exit_on_missing_checkpoint": False, **given})
-        try:
-            package.initialize.initialize_megatron(args)
-        except SystemExit as exited:
-            assert exited.code == 2
-            lines = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
-            assert len(lines) == 1, lines
-            return lines[0].split(": error: ", 1)[1]
-        return None
-
-    yield run
-    megatron_lm.disable()
-
-
 @pytest.mark.parametrize("payload", PAYLOADS)
 @pytest.mark.parametrize("step", [None, 4], ids=["tracker", "ckpt-step"])
-def test_megatron_lm_refuses_a_hostile_index_unread(tmp_path, initialize, payload, step):
+def test_megatron_lm_refuses_a_hostile_index_unread(tmp_path, initialize, capsys, payload, step):
     root, index_file, marker = hostile_checkpoint(tmp_path, payload, inside_a_real_index=True)
-    assert initialize(load=str(root), ckpt_step=step) == refusal(index_file, payload)
+    assert initialize(capsys, load=str(root), ckpt_step=step) == refusal(index_file, payload)
     assert not marker.exists()
 
 
-def test_megatron_lm_refuses_a_hostile_common_state_unread(tmp_path, initialize, monkeypatch):
+def test_megatron_lm_refuses_a_hostile_common_state_unread(tmp_path, initialize, capsys, monkeypatch):
     root = checkpoint_files.checkpoint_root(tmp_path / "ckpt", iteration=4)
     common, marker = root / "iter_0000004" / "common.pt", tmp_path / "payload-ran"
     torch.save({"iteration": 4, "args": TouchMarker(marker)}, common)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # cannot turn the check's weights_only off
-    line = initialize(load=str(root))
+    line = initialize(capsys, load=str(root))
     assert line.startswith(f"{common} is not safe to load: it needs {system_global()}, ")
     assert not marker.exists()
 
