@@ -23,18 +23,18 @@ import torch.distributed as dist
 
 from megatron.moe_patches.driver import checkpointing, compat, iteration_log
 from megatron.moe_patches.driver.arguments import (
-    PROG,
     RUN_LENGTHS,
     batch_calculator,
     check_args,
     counted_in,
-    data_blend,
     params_dtype,
     parse_args,
     plan_lines,
     same_named,
     transformer_config_kwargs,
 )
+from megatron.moe_patches.driver.data_files import data_blend
+from megatron.moe_patches.driver.parser import PROG
 
 logger = logging.getLogger(__name__)
 
