@@ -16,6 +16,7 @@ upstream's spelling so recipes stay portable.
 """
 
 import logging
+from typing import List
 from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -43,22 +44,38 @@ def validate_moe_patch_config(config) -> None:
     Runs at config construction, so a bad recipe fails before any GPU work. What the MoE
     layers can run here is the config's plan (``plan.plan_for``); this reads it.
     """
+    errors = _bool_field_errors(config)
+    if errors:  # the checks below read these fields as booleans
+        raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
+    plan = plan_for(config) if config.num_moe_experts is not None else None
+    for rules in (_grouped_weight_errors, _interleave_errors, _op_fuser_errors, _hybridep_errors, _exchange_errors,
+                  _graph_scope_errors):
+        errors += rules(config, plan)
+    if errors:
+        raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _bool_field_errors(config) -> List[str]:
     errors = []
     for name in BOOL_FIELDS:  # 1 or "false" would read as True/False by accident
         value = getattr(config, name)
         if not isinstance(value, bool):
             errors.append(f"{name}={value!r} must be True or False.")
-    if errors:  # the checks below read these fields as booleans
-        raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
-    is_moe = config.num_moe_experts is not None
-    plan = plan_for(config) if is_moe else None
+    return errors
+
+
+# Each rule below: the messages of one group of fields, given the config and its plan (None
+# without MoE layers).
+
+
+def _grouped_weight_errors(config, plan) -> List[str]:
+    errors = []
     te_grouped_experts = (
-        is_moe
+        plan is not None
         and config.moe_grouped_gemm
         and config.transformer_impl == "transformer_engine"
         and not uses_legacy_grouped_gemm(config)
     )
-
     grouped = [n for n in ("moe_single_grouped_weight", "moe_single_grouped_bias") if getattr(config, n)]
     if grouped and not te_grouped_experts:
         legacy = " and moe_use_legacy_grouped_gemm=False" if hasattr(config, LEGACY_GROUPED_GEMM) else ""
@@ -74,40 +91,44 @@ def validate_moe_patch_config(config) -> None:
             "moe_single_grouped_bias=True needs expert biases: set add_bias_linear=True "
             "(drop --disable-bias-linear) or unset moe_single_grouped_bias."
         )
+    return errors
 
+
+def _interleave_errors(config, plan) -> List[str]:
     interleave = config.moe_mlp_glu_interleave_size
-    if interleave is not None:
-        if not isinstance(interleave, int) or isinstance(interleave, bool) or interleave <= 0:
-            errors.append(
-                f"moe_mlp_glu_interleave_size={interleave!r} must be a positive integer or None."
-            )
-        elif not is_moe or not config.gated_linear_unit:
-            errors.append(
-                "moe_mlp_glu_interleave_size applies to gated (GLU) MoE experts only: set "
-                "num_moe_experts and gated_linear_unit=True (--swiglu), or unset it."
-            )
-        else:
-            etp = expert_tp_size(config)
-            ffn_per_partition = config.moe_ffn_hidden_size // etp
-            if ffn_per_partition % interleave:
-                errors.append(
-                    f"moe_mlp_glu_interleave_size={interleave} must divide the per-partition MoE "
-                    f"FFN size {ffn_per_partition} (moe_ffn_hidden_size={config.moe_ffn_hidden_size}"
-                    f" / expert_tensor_parallel_size={etp}); choose a divisor of it."
-                )
+    if interleave is None:
+        return []
+    if not isinstance(interleave, int) or isinstance(interleave, bool) or interleave <= 0:
+        return [f"moe_mlp_glu_interleave_size={interleave!r} must be a positive integer or None."]
+    if plan is None or not config.gated_linear_unit:
+        return ["moe_mlp_glu_interleave_size applies to gated (GLU) MoE experts only: set "
+                "num_moe_experts and gated_linear_unit=True (--swiglu), or unset it."]
+    etp = expert_tp_size(config)
+    ffn_per_partition = config.moe_ffn_hidden_size // etp
+    if ffn_per_partition % interleave:
+        return [f"moe_mlp_glu_interleave_size={interleave} must divide the per-partition MoE "
+                f"FFN size {ffn_per_partition} (moe_ffn_hidden_size={config.moe_ffn_hidden_size}"
+                f" / expert_tensor_parallel_size={etp}); choose a divisor of it."]
+    return []
 
-    if config.use_transformer_engine_op_fuser:
-        if config.transformer_impl != "transformer_engine":
-            errors.append(
-                "use_transformer_engine_op_fuser=True needs transformer_impl='transformer_engine'."
-            )
-        if is_moe and expert_tp_size(config) > 1:
-            errors.append(
-                "use_transformer_engine_op_fuser=True does not support expert tensor parallelism: "
-                f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}; set "
-                "--expert-tensor-parallel-size 1 or drop --use-transformer-engine-op-fuser."
-            )
 
+def _op_fuser_errors(config, plan) -> List[str]:
+    if not config.use_transformer_engine_op_fuser:
+        return []
+    errors = []
+    if config.transformer_impl != "transformer_engine":
+        errors.append("use_transformer_engine_op_fuser=True needs transformer_impl='transformer_engine'.")
+    if plan is not None and expert_tp_size(config) > 1:
+        errors.append(
+            "use_transformer_engine_op_fuser=True does not support expert tensor parallelism: "
+            f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}; set "
+            "--expert-tensor-parallel-size 1 or drop --use-transformer-engine-op-fuser."
+        )
+    return errors
+
+
+def _hybridep_errors(config, plan) -> List[str]:
+    errors = []
     hybridep = config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "hybridep"
     if config.moe_permute_fusion_into_hybridep and not hybridep:
         errors.append(
@@ -126,42 +147,46 @@ def validate_moe_patch_config(config) -> None:
                 "moe_token_dispatcher_type='flex' and moe_flex_dispatcher_backend='hybridep', "
                 f"or unset {name}."
             )
+    return errors
 
+
+def _exchange_errors(config, plan) -> List[str]:
+    errors = []
     if config.moe_device_tokens_per_expert and not _has_grouped_experts(config):
         errors.append(
             "moe_device_tokens_per_expert=True applies to grouped experts only: set "
             "num_moe_experts and moe_grouped_gemm=True, or drop --moe-device-tokens-per-expert."
         )
-
-    if config.moe_symmetric_exchange and not is_moe:
+    if config.moe_symmetric_exchange and plan is None:
         errors.append("moe_symmetric_exchange=True applies to MoE layers only: set num_moe_experts, "
                       "or drop --moe-symmetric-exchange.")
-    elif is_moe:
+    elif plan is not None:
         errors.extend(plan.exchange.contradictions)
+    return errors
 
-    captured = plan.graph_scope if is_moe else GraphScope.NONE
+
+def _graph_scope_errors(config, plan) -> List[str]:
+    captured = plan.graph_scope if plan is not None else GraphScope.NONE
     if captured.by_layer:
         names = scope_names(config.cuda_graph_scope)
         scope = " ".join(names) or "(none: the whole layer)"
         if frozenset(names) not in CAPTURED_SCOPES:
-            errors.append(
+            return [
                 f"cuda_graph_scope={scope}: for dropless MoE the patch set captures each MoE layer "
                 "(--cuda-graph-scope moe) or each transformer layer whole (no --cuda-graph-scope, or attn moe), "
-                "and megatron-core's other scopes would capture the MoE layers again; use one of those.")
-        elif plan.graph_blocker is not None:
-            errors.append(
+                "and megatron-core's other scopes would capture the MoE layers again; use one of those."]
+        if plan.graph_blocker is not None:
+            return [
                 f"cuda_graph_scope={scope} for dropless MoE needs the graph-safe MoE layer (F11) in a CUDA graph "
                 f"of the {plan.graph_unit}, and this config cannot have it: {plan.graph_blocker}. Fix that, or "
                 + ("drop moe from --cuda-graph-scope." if "moe" in names
-                   else "give --cuda-graph-scope attn (megatron-core's graphs of the attention alone)."))
+                   else "give --cuda-graph-scope attn (megatron-core's graphs of the attention alone).")]
     elif captured is GraphScope.FULL_ITERATION and plan.full_iteration_blocker is not None:
-        errors.append(
+        return [
             "cuda_graph_scope=full_iteration replays every micro-batch's forward and backward, MoE layers "
             f"included, as one CUDA graph, and this config's MoE layers cannot be in it: "
-            f"{plan.full_iteration_blocker}.")
-
-    if errors:
-        raise ValueError("Invalid MoE patch configuration:\n  - " + "\n  - ".join(errors))
+            f"{plan.full_iteration_blocker}."]
+    return []
 
 
 def _has_grouped_experts(config) -> bool:

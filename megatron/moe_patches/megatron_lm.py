@@ -46,7 +46,6 @@ import argparse
 import contextlib
 import functools
 import importlib
-import operator
 import os
 from types import ModuleType
 import sys
@@ -292,33 +291,18 @@ def check_load_before_start(args: argparse.Namespace) -> None:
         _refuse(error)
 
 
-# The shape args (``on_disk.MODEL_SHAPE_ARGS``) as Megatron-LM's validate_args leaves them:
-# derived sizes filled in, so each is read as it is, but query groups count only with
-# --group-query-attention.
-_AS_BUILT = {
-    "num_query_groups": lambda a: a.num_query_groups if a.group_query_attention else a.num_attention_heads,
-    "swiglu": lambda a: bool(a.swiglu),
-}
-MODEL_SHAPE = {name: _AS_BUILT.get(name, operator.attrgetter(name)) for name in on_disk.MODEL_SHAPE_ARGS}
-
-
 def _check_model_shape(args: argparse.Namespace, path: str) -> None:
     """Refuse a checkpoint whose saved args (Megatron-LM's Namespace) give the model other
-    shapes than this run's flags: its load would fail after start-up, tensor by tensor."""
+    shapes than this run's flags (``on_disk.model_shape_differences``, the driver's rule too):
+    its load would fail after start-up, tensor by tensor."""
     try:
         saved = on_disk.read_common_state(path).get("args")
     except Exception:  # noqa: BLE001 - an unreadable common state: find_checkpoint named it already
         return
     if not isinstance(saved, argparse.Namespace):
         return  # saved by another program (this package's driver saves a dict): not comparable here
-    differ = []
-    for name, value_of in MODEL_SHAPE.items():
-        try:
-            theirs, ours = value_of(saved), value_of(args)
-        except AttributeError:  # an arg an older Megatron-LM did not save
-            continue
-        if theirs != ours:
-            differ.append(f"--{name.replace('_', '-')} {theirs} (checkpoint) vs {ours} (now)")
+    differ = [f"--{name.replace('_', '-')} {theirs} (checkpoint) vs {ours} (now)"
+              for name, theirs, ours in on_disk.model_shape_differences(vars(saved), vars(args))]
     if differ:
         raise on_disk.CheckpointError(
             f"--load {path}: the checkpoint holds another model: {'; '.join(differ)}; give the checkpoint's "

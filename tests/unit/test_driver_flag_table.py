@@ -1,6 +1,6 @@
 """The driver's flags read from driver_flags.jsonl are the flags its former hand-written table
 built: every action's class, dest, default, type, choices, nargs, metavar, const and help (a
-digest), and the namespace of parsed defaults, for both parsers (``_build_parser``'s ``names``).
+digest), and the namespace of parsed defaults, for both parsers (``build_parser``'s ``names``).
 The snapshot in fixtures/ was taken from that table before it became data."""
 
 import hashlib
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.moe_patches.driver import arguments
+from megatron.moe_patches.driver import arguments, parser
 
 SNAPSHOT = Path(__file__).parent / "fixtures" / "driver_flags_before_table.json"
 
@@ -37,7 +37,7 @@ def snapshot():
 
 @pytest.mark.parametrize("which, parser", [
     ("parser", lambda: arguments.build_parser()),
-    ("parser_reading_names", lambda: arguments._build_parser(arguments.PROG, names=True)),
+    ("parser_reading_names", lambda: parser.build_parser(parser.PROG, names=True)),
 ])
 def test_every_flag_is_built_as_before(snapshot, which, parser):
     now = described(parser())
@@ -53,7 +53,7 @@ def test_parsed_defaults_are_as_before(snapshot):
 
 
 def test_the_table_reads_every_kind_of_row():
-    rows = arguments._flag_table()
+    rows = parser._flag_table()
     assert {row["group"] for row in rows} >= {"model", "mixture of experts", "CUDA graphs", "data"}
     backend = arguments.build_parser().parse_known_args([])[0].attention_backend
     assert type(backend).__name__ == "AttnBackend" and backend.name == "auto"

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.driver import arguments, megatron_lm_flags
-from megatron.moe_patches.driver.arguments import INT_RANGES, data_blend, parse_args, sequence_multiple
+from megatron.moe_patches.driver import arguments, data_files, megatron_lm_flags, output_dirs
+from megatron.moe_patches.driver.arguments import sequence_multiple
+from megatron.moe_patches.driver.data_files import data_blend
+from megatron.moe_patches.driver.given_values import INT_RANGES
 from megatron.moe_patches.fields import DEVICE_SPLITS_ENV_ALIAS, env_switch, shown
 
 from driver_model import REQUIRED, indexed_dataset
@@ -118,9 +120,9 @@ def test_output_dir_that_is_a_file_is_refused(flag, a_file, monkeypatch, refused
 def test_output_dir_under_an_unwritable_directory_is_refused(tmp_path, monkeypatch, refused):
     locked = tmp_path / "locked"
     locked.mkdir()
-    real_access = arguments.os.access
+    real_access = output_dirs.os.access
     # this user may be root, whom a file mode does not stop: ask the check's own question
-    monkeypatch.setattr(arguments.os, "access", lambda path, mode: path != str(locked) and real_access(path, mode))
+    monkeypatch.setattr(output_dirs.os, "access", lambda path, mode: path != str(locked) and real_access(path, mode))
     assert refused([*REQUIRED, "--save", str(locked / "a" / "b")]) == (
         f"--save {locked / 'a' / 'b'}: {locked} is not writable: give a directory this user can write to")
 
@@ -296,12 +298,10 @@ def test_the_index_header_is_megatron_cores(tmp_path):
     import torch
     from megatron.core.datasets import indexed_dataset as mcore_indexed
 
-    from megatron.moe_patches.driver import arguments
-
-    assert arguments.INDEX_MAGIC == mcore_indexed._INDEX_HEADER
+    assert data_files.INDEX_MAGIC == mcore_indexed._INDEX_HEADER
     prefix = str(tmp_path / "written")
     builder = mcore_indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
     builder.add_item(torch.tensor([1, 2, 3]))
     builder.end_document()
     builder.finalize(prefix + ".idx")
-    assert arguments._index_header_problem(prefix + ".idx") is None
+    assert data_files._index_header_problem(prefix + ".idx") is None

@@ -28,7 +28,9 @@ def test_no_megatron_init():
     assert not (ROOT / "megatron" / "__init__.py").exists()  # megatron is a namespace shared with megatron-core
 
 
-@pytest.mark.parametrize("name", ["arguments", "patch_args", "recipes", "checkpointing", "functional", "compat"])
+@pytest.mark.parametrize("name", ["arguments", "parser", "given_values", "launcher_env", "load_check", "data_files",
+                                  "output_dirs", "config_refusals", "patch_args", "recipes", "checkpointing",
+                                  "functional", "compat"])
 def test_driver_modules_never_import_training(name):
     assert "megatron.moe_patches.driver.training" not in imported_modules(PACKAGE / "driver" / f"{name}.py")
 

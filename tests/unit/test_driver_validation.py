@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron.moe_patches.config import PatchedTransformerConfig
-from megatron.moe_patches.driver import arguments
+from megatron.moe_patches.driver import arguments, config_refusals
 from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs, validate_config
 
 from driver_model import REQUIRED, RUN
@@ -192,11 +192,11 @@ def test_megatron_core_refusals_are_reported_with_their_flags(capsys, refused):
     assert refused([*MOE, "--moe-router-topk", "1"]) == (
         "megatron-core's TransformerConfig refuses these arguments: Please use --moe-router-pre-softmax "
         "when topk is 1.")
-    assert arguments.config_error_message(ValueError(
+    assert config_refusals.config_error_message(ValueError(
         "num_attention_heads (8) must be a multiple of tensor_model_parallel_size (3).")) == (
         "megatron-core's TransformerConfig refuses these arguments: num_attention_heads (8) must be a multiple "
         "of tensor_model_parallel_size (3). [--num-attention-heads, --tensor-model-parallel-size]")
-    assert arguments.config_error_message(AssertionError()) == (
+    assert config_refusals.config_error_message(AssertionError()) == (
         "megatron-core's TransformerConfig refuses these arguments: AssertionError without a message")
 
 
@@ -218,7 +218,7 @@ def test_te_probing_checks_are_left_to_setup_only_without_te(capsys, refused):
     assert refused([*MOE, "--moe-device-tokens-per-expert", "--moe-single-grouped-weight", "--fp8-format", "e4m3"],
                    ).startswith("Invalid MoE patch configuration: moe_single_grouped_weight=True needs an "
                                       "expert backend that holds grouped parameters")
-    assert set(arguments.TE_PROBED_FIELDS) == {"moe_permute_fusion", "fp8", "fp8_recipe",
+    assert set(config_refusals.TE_PROBED_FIELDS) == {"moe_permute_fusion", "fp8", "fp8_recipe",
                                                "moe_router_padding_for_quantization", "apply_rope_fusion"}
 
 
@@ -253,7 +253,7 @@ def test_router_fields_map_into_the_config():
                           moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend="deepep",
                           moe_shared_expert_intermediate_size=384, num_moe_experts=8, moe_ffn_hidden_size=512,
                           moe_grouped_gemm=True, moe_permute_fusion=False)
-    for name in arguments.TE_PROBED_FIELDS:
+    for name in config_refusals.TE_PROBED_FIELDS:
         kwargs.pop(name, None)
     config = PatchedTransformerConfig(**kwargs)
     assert (config.moe_router_topk, config.moe_router_load_balancing_type, config.moe_aux_loss_coeff,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.moe_patches.driver import arguments, megatron_lm_flags
+from megatron.moe_patches.driver import megatron_lm_flags
 from megatron.moe_patches.driver.arguments import PROG, build_parser
 from megatron.moe_patches.entry_points import quiet_megatron_core_import_warnings
 
@@ -105,7 +105,7 @@ def test_attention_backend_names_are_megatron_cores():
 def test_parse_args_parser_is_build_parsers():
     """The same flags, defaults (as printed), help and errors; only --attention-backend's values
     wait as names."""
-    full, named = build_parser(), arguments._build_parser(PROG, names=True)
+    full, named = build_parser(), build_parser(PROG, names=True)
     assert full.format_help() == named.format_help()
     assert [action.option_strings for action in full._actions] == [action.option_strings for action in named._actions]
     for mine, theirs in zip(full._actions, named._actions):

@@ -4,7 +4,7 @@ the name of the flag the user set."""
 
 import pytest
 
-from megatron.moe_patches.driver import arguments
+from megatron.moe_patches.driver import arguments, given_values, launcher_env
 
 from driver_model import REQUIRED
 
@@ -46,7 +46,7 @@ def test_every_float_flag_of_the_driver_has_a_domain():
     from megatron.moe_patches.driver import megatron_lm_flags
 
     refused_dests = {row.dest for row in megatron_lm_flags.FLAGS if row.refused or row.no_effect}
-    domains = set(arguments.NOT_NEGATIVE + arguments.FRACTIONS + arguments.POSITIVE_FLOATS + arguments.UP_TO_ONE)
+    domains = set(given_values.NOT_NEGATIVE + given_values.FRACTIONS + given_values.POSITIVE_FLOATS + given_values.UP_TO_ONE)
     floats = {a.dest for a in parser._actions if a.type is float and a.dest not in refused_dests}
     assert floats and not floats - domains, sorted(floats - domains)
 
@@ -91,4 +91,4 @@ def test_the_symmetric_exchange_within_a_node_passes_that_check(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     args = arguments.build_parser().parse_args([*REQUIRED, *SYMMETRIC])
-    arguments._check_symmetric_exchange_node(args, 8)  # no refusal
+    launcher_env._check_symmetric_exchange_node(args, 8)  # no refusal

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.moe_patches.driver import arguments
+from megatron.moe_patches.driver import arguments, output_dirs
 from megatron.moe_patches.driver.training import main
 from megatron.moe_patches.fields import shown
 from megatron.moe_patches.driver.arguments import batch_calculator, sample_based_iterations
@@ -76,7 +76,7 @@ def test_an_output_path_over_path_max_is_refused(tmp_path, flag, refused):
     line = refused([*REQUIRED, flag, str(path)])
     assert line.startswith(f"{flag} '{str(path)[:40]}") and line.endswith(
         f": it is {len(str(path))} bytes long, and the run writes files under it: the file system takes paths of at most "
-        f"{limit} bytes (PATH_MAX), so keep it under {limit - arguments.WRITTEN_UNDER_OUTPUT}: give a shorter path")
+        f"{limit} bytes (PATH_MAX), so keep it under {limit - output_dirs.WRITTEN_UNDER_OUTPUT}: give a shorter path")
 
 
 def test_a_long_but_valid_output_path_passes(tmp_path, parsed):

@@ -34,6 +34,75 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "swiglu", "n
                     "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size",
                     "moe_shared_expert_intermediate_size")
 
+
+def ffn_hidden_size_default(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's --ffn-hidden-size default: 4 x hidden, or with SwiGLU 2/3 of that (its two
+    input projections keep the parameter count), rounded down to a multiple of 64."""
+    if swiglu:
+        return int(4 * hidden_size * 2 / 3 / 64) * 64
+    return 4 * hidden_size
+
+
+def _ffn_default(values: dict) -> Optional[int]:
+    hidden = values.get("hidden_size")
+    return None if hidden is None else ffn_hidden_size_default(hidden, bool(values.get("swiglu")))
+
+
+def _kv_channels_default(values: dict) -> Optional[int]:
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    return hidden // heads if hidden and heads and hidden % heads == 0 else None
+
+
+def _given(values: dict, name: str):
+    """The value of ``name`` as given; query groups without --group-query-attention are unset
+    (Megatron-LM's saved args keep a value there that no layer reads)."""
+    if name == "num_query_groups" and values.get("group_query_attention") is False:
+        return None
+    return values.get(name)
+
+
+def shape_value(values: dict, name: str):
+    """The value of the shape arg ``name`` the model is built with, from a run's or a checkpoint's args."""
+    value = _given(values, name)
+    return MODEL_SHAPE[name](values) if value is None and MODEL_SHAPE[name] is not None else value
+
+
+# The args that fix the shapes of the model's tensors and the vocabulary, each with the value
+# the model is built with where it is unset (a function of the other args), or None: unset is
+# no such size (no experts, no shared expert), or, for ``REQUIRED_SHAPE_ARGS``, not given yet
+# (the loop says so) or a tokenizer's own vocabulary. A checkpoint of other shapes is another
+# model: megatron-core also loads an embedding table of another vocabulary without a word (the
+# rows both have, the rest zeros).
+_BUILT_WITH_WHEN_UNSET = {
+    "ffn_hidden_size": _ffn_default,
+    "num_query_groups": lambda values: values.get("num_attention_heads"),  # unset: one per head
+    "kv_channels": _kv_channels_default,
+    "moe_ffn_hidden_size": lambda values: shape_value(values, "ffn_hidden_size") if values.get("num_experts") else None,
+}
+# vocab_size: the token ids, end of document included (the embedding table's rows, unpadded)
+MODEL_SHAPE = {name: _BUILT_WITH_WHEN_UNSET.get(name) for name in (*MODEL_SHAPE_ARGS, "vocab_size")}
+REQUIRED_SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def model_shape_differences(saved: dict, run: dict) -> List[Tuple[str, object, object]]:
+    """(arg, checkpoint's value, run's value) for each ``MODEL_SHAPE`` arg the checkpoint saved
+    that builds another shape than the run's args: both loops' one rule before --load. A value
+    the run derives (it did not give the flag) is not reported where the checkpoint's own args
+    derive the saved one, or where the run has no such size: the args it derives from differ,
+    and are reported."""
+    differences = []
+    for name, default in MODEL_SHAPE.items():
+        if name not in saved:
+            continue  # saved before the arg existed
+        saved_value, run_value = shape_value(saved, name), shape_value(run, name)
+        if name in REQUIRED_SHAPE_ARGS and (saved_value is None or run_value is None):
+            continue
+        derived = _given(run, name) is None and default is not None
+        if saved_value == run_value or (derived and (run_value is None or default(saved) == saved_value)):
+            continue
+        differences.append((name, saved_value, run_value))
+    return differences
+
 TRACKER = "latest_checkpointed_iteration.txt"
 # The torch_dist item megatron-core 0.19.2 saves the common state as (a ShardedObject named
 # "common_state", of global shape (1,) at offset (0,), under its unique key); its bytes are

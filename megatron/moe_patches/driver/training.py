@@ -23,18 +23,18 @@ import torch.distributed as dist
 
 from megatron.moe_patches.driver import checkpointing, compat, iteration_log
 from megatron.moe_patches.driver.arguments import (
-    PROG,
     RUN_LENGTHS,
     batch_calculator,
     check_args,
     counted_in,
-    data_blend,
     params_dtype,
     parse_args,
     plan_lines,
     same_named,
     transformer_config_kwargs,
 )
+from megatron.moe_patches.driver.data_files import data_blend
+from megatron.moe_patches.driver.parser import PROG
 
 logger = logging.getLogger(__name__)
 
@@ -550,20 +550,7 @@ def pretrain(args: argparse.Namespace) -> None:
     from megatron.moe_patches.graphs.layer_graphs import active_captures
 
     gpt, model, optimizer, scheduler = setup(args)
-    iteration, saved = 0, {}
-    found = checkpointing.find_checkpoint(args.load)[0] if args.load else None
-    if found is not None:
-        iteration = checkpointing.load(args.load, gpt, optimizer, scheduler, args)
-        saved = checkpointing.read_common_state(found)["args"]
-        saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved
-        _print_rank0(f"loaded checkpoint {found} at iteration {iteration}")
-    elif args.load and args.exit_on_missing_checkpoint:  # parse_args stops this earlier
-        raise SystemExit(f"--load {args.load}: no checkpoint there, and --exit-on-missing-checkpoint is set")
-    # The samples read so far, saved in the args as Megatron-LM saves them; a checkpoint without
-    # them was trained at a fixed batch.
-    args.consumed_train_samples = saved.get("consumed_train_samples") or iteration * args.global_batch_size
-    args.consumed_valid_samples = saved.get("consumed_valid_samples") or first_validation_sample(args, iteration)
-
+    iteration = resume(args, gpt, optimizer, scheduler)
     train_set, valid_set, test_set = build_datasets(args)
     dp_rank = parallel_state.get_data_parallel_rank()
     data = micro_batches(train_set, args.consumed_train_samples, args, dp_rank)
@@ -630,9 +617,7 @@ def pretrain(args: argparse.Namespace) -> None:
         times["iteration"] = time.time() - tick
         if args.timing_log_level:
             times["optimizer"] = times["iteration"] - times["forward-backward"]
-        step_losses = {"lm loss": torch.stack([m["lm loss"] for m in losses]).mean()} if losses else {}
-        step_losses.update(track_moe_losses(args, num_micro_batches))  # every rank, every iteration
-        interval.add(step_losses, times, skipped=not update_successful)
+        interval.add(step_losses(losses, args, num_micro_batches), times, skipped=not update_successful)
         if iteration % args.log_interval == 0:
             # every rank takes part in its reductions; only logged iterations show it
             params_norm = _params_norm(gpt, args) if args.log_params_norm else None
@@ -640,13 +625,7 @@ def pretrain(args: argparse.Namespace) -> None:
             if logs:
                 metrics = logged_metrics(args, iteration, averaged, optimizer, grad_norm, num_zeros, batch_size,
                                          params_norm)
-                print(_log_line(args, iteration, metrics, started), flush=True)
-                if args.tensorboard_dir:
-                    if tensorboard is None:  # made on the one rank that logs, as Megatron-LM does
-                        from torch.utils.tensorboard import SummaryWriter
-
-                        tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
-                    write_tensorboard(tensorboard, metrics, iteration)
+                tensorboard = log_iteration(args, iteration, metrics, started, tensorboard)
         if valid_data is not None and evaluates_after(args, iteration):
             validate(f"iteration {iteration}", valid_data)
             args.consumed_valid_samples += args.eval_iters * args.global_batch_size
@@ -659,6 +638,51 @@ def pretrain(args: argparse.Namespace) -> None:
         validate(f"iteration {iteration} on validation set", valid_data)
         if test_set is not None:
             validate(f"iteration {iteration} on test set", micro_batches(test_set, 0, args, dp_rank))
+    finish(iteration, started, tensorboard)
+
+
+def resume(args, gpt, optimizer, scheduler) -> int:
+    """Load the checkpoint --load holds, where it holds one, and set the samples read so far;
+    returns the iteration to go on from (0 from scratch)."""
+    iteration, saved = 0, {}
+    found = checkpointing.find_checkpoint(args.load)[0] if args.load else None
+    if found is not None:
+        iteration = checkpointing.load(args.load, gpt, optimizer, scheduler, args)
+        saved = checkpointing.read_common_state(found)["args"]
+        saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved
+        _print_rank0(f"loaded checkpoint {found} at iteration {iteration}")
+    elif args.load and args.exit_on_missing_checkpoint:  # parse_args stops this earlier
+        raise SystemExit(f"--load {args.load}: no checkpoint there, and --exit-on-missing-checkpoint is set")
+    # The samples read so far, saved in the args as Megatron-LM saves them; a checkpoint without
+    # them was trained at a fixed batch.
+    args.consumed_train_samples = saved.get("consumed_train_samples") or iteration * args.global_batch_size
+    args.consumed_valid_samples = saved.get("consumed_valid_samples") or first_validation_sample(args, iteration)
+    return iteration
+
+
+def step_losses(losses, args, num_micro_batches) -> dict:
+    """One step's losses: the LM loss over its micro-batches, then the MoE losses (every rank,
+    every iteration: they reduce across ranks)."""
+    found = {"lm loss": torch.stack([m["lm loss"] for m in losses]).mean()} if losses else {}
+    found.update(track_moe_losses(args, num_micro_batches))
+    return found
+
+
+def log_iteration(args, iteration, metrics, started, tensorboard):
+    """Print a logged iteration's line and write its metrics to TensorBoard; returns the writer,
+    made at the first write on the one rank that logs, as Megatron-LM does."""
+    print(_log_line(args, iteration, metrics, started), flush=True)
+    if args.tensorboard_dir:
+        if tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+        write_tensorboard(tensorboard, metrics, iteration)
+    return tensorboard
+
+
+def finish(iteration: int, started: float, tensorboard) -> None:
+    """Close the TensorBoard writer, say how the run went, and leave the process group."""
     if tensorboard is not None:
         tensorboard.close()
     _print_rank0(f"training done: {iteration} iterations in {time.time() - started:.1f} s")
