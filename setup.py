@@ -32,8 +32,6 @@ setup(
         # F1 and F4 need TE >= 2.14; finer capability checks (fused permute+pad, op-fuser
         # ops) live in the code. PyPI's TE builds its torch extension from source.
         "te": ["transformer-engine[pytorch]>=2.14"],
-        # F10's blockwise FP8 fprop/dgrad on DeepGEMM (Hopper, CUDA 13 builds of torch)
-        "deepgemm": ["sgl-deep-gemm>=0.2.5"],
         "test": ["pytest"],
         "plot": ["matplotlib"],  # benchmarks/plot.py only
         "tensorboard": ["tensorboard"],  # pretrain_gpt.py --tensorboard-dir

@@ -121,7 +121,6 @@ def test_a_replay_lets_the_backend_refresh_its_weight_copies_first(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: calls.append("replay")))
     backend = types.SimpleNamespace(refresh_weight_caches=lambda: calls.append("refresh"))
     layer = torch.nn.Module()
-    layer.config = types.SimpleNamespace(fp8=None)
     layer.experts = torch.nn.Module()
     layer.experts.backend = backend
     captured = _Captured(layer, torch.zeros(2, 3), {"rotary_pos_emb": torch.zeros(4)})
@@ -131,41 +130,6 @@ def test_a_replay_lets_the_backend_refresh_its_weight_copies_first(monkeypatch):
     assert calls == ["refresh", "replay"] and torch.equal(captured.static_x, torch.full((2, 3), 5.0))
     assert torch.equal(captured.static_kwargs["rotary_pos_emb"], torch.arange(4.0))
     assert torch.equal(out, torch.ones(2, 3))
-
-
-def _layer_with_te_linears(fp8):
-    """A whole layer's stand-in: an attention linear and the FP8 experts' own linear, both with
-    megatron-core's TE-layer attribute (False: quantize at a step's first micro-batch only)."""
-    layer = torch.nn.Module()
-    layer.config = types.SimpleNamespace(fp8=fp8)
-    layer.linear_qkv = torch.nn.Linear(2, 2)
-    layer.mlp = torch.nn.Module()
-    layer.mlp.experts = torch.nn.Module()
-    layer.mlp.experts.backend = types.SimpleNamespace(refresh_weight_caches=lambda: None)
-    layer.mlp.experts.linear_fc1 = torch.nn.Linear(2, 2)
-    layer.norm = torch.nn.LayerNorm(2)  # no such attribute: not a TE linear
-    for linear in (layer.linear_qkv, layer.mlp.experts.linear_fc1):
-        linear.disable_parameter_transpose_cache = False
-    return layer
-
-
-@pytest.mark.parametrize("fp8", [None, "e4m3"])
-def test_a_captured_fp8_layer_quantizes_te_weights_in_every_replay_and_uninstall_restores(monkeypatch, fp8):
-    """Under FP8 the TE linears of a captured layer quantize their weights at every call (inside
-    the graph: no stale step's copy replayed), the experts keep their own refreshed cache, and
-    uninstall gives the linears their caching back; without FP8 nothing changes."""
-    from megatron.moe_patches.graphs.layer_graphs import LayerGraphs, _Captured
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
-    layer = _layer_with_te_linears(fp8)
-    captured = _Captured(layer, torch.zeros(2, 3), {})
-    assert layer.linear_qkv.disable_parameter_transpose_cache is bool(fp8)
-    assert layer.mlp.experts.linear_fc1.disable_parameter_transpose_cache is False
-    assert captured.te_fp8_linears == ([layer.linear_qkv] if fp8 else [])
-    graphs = LayerGraphs.__new__(LayerGraphs)  # the capture itself needs CUDA
-    graphs.layers, graphs.captured = [layer], [captured]
-    graphs.uninstall()
-    assert layer.linear_qkv.disable_parameter_transpose_cache is False
 
 
 def test_scope_names():
@@ -566,7 +530,6 @@ def test_aliases_carry_what_fused_wgrad_modules_read_off_their_weights(monkeypat
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
     layer = torch.nn.Linear(4, 4)
-    layer.config = types.SimpleNamespace(fp8=None)
     layer.weight.main_grad = torch.zeros(4, 4)
     layer.weight.grad_added_to_main_grad = False
     layer.weight.zero_out_wgrad = True

@@ -115,12 +115,6 @@ class ExpertBackend:
         return True
 
     @classmethod
-    def kernels_to_install(cls, config) -> Optional[str]:
-        """Faster kernels this backend would run for ``config`` that this process lacks, and how
-        a user gets them (the plan says it once), or None."""
-        return None
-
-    @classmethod
     def aligned_groups(cls, config) -> Tuple[Optional[int], Optional[str]]:
         """(rows, kernels): where a backend that takes any rows (``alignment`` 1) has faster
         kernels for groups each starting on a multiple of ``rows``, which the dispatcher pads

@@ -404,7 +404,6 @@ RECIPES = {
                            grouped_nt=fp8_blockwise.grouped_nt_kernel),
 }
 DEEP_GEMM_KERNELS = "DeepGEMM's blockwise FP8 grouped GEMMs for fprop and dgrad"
-DEEP_GEMM_INSTALL = "pip install 'megatron-moe-patches[deepgemm]' (PyPI's sgl-deep-gemm wheel, CUDA 13)"
 BLOCKWISE_SIZES = ("hidden_size", "moe_ffn_hidden_size")  # each FC's in and out features
 
 
@@ -448,13 +447,6 @@ class FP8GroupedMMBackend(GroupedMMBackend):
         if recipe is None or recipe.grouped_nt is None or not cap.deep_gemm_grouped_fp8():
             return None, None
         return deep_gemm_grouped.GROUP_ALIGN, DEEP_GEMM_KERNELS
-
-    @classmethod
-    def kernels_to_install(cls, config) -> Optional[str]:
-        if config.fp8_recipe != "blockwise" or cap.deep_gemm_grouped_fp8():
-            return None
-        return (f"blockwise FP8 runs fprop and dgrad on this package's Triton kernels; {DEEP_GEMM_KERNELS} run "
-                f"them 1.6-2x faster: {DEEP_GEMM_INSTALL}")
 
     @classmethod
     def quantized_rows(cls, config) -> bool:

@@ -22,11 +22,6 @@ from megatron.moe_patches.graph_scopes import GraphScope
 from megatron.moe_patches.plan.exchange import ALLGATHER, ALLTOALL, SYMMETRIC_MEMORY, ExchangeChoice
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size
 
-# FP8 recipes whose scales the kernels compute on the device from the tensor at hand (TE's
-# current scaling, blockwise): a whole layer under them replays without TE's host state.
-GRAPHED_FP8_RECIPES = ("tensorwise", "blockwise")
-
-
 def graph_blocker(config, backend, blockers, exchange: ExchangeChoice, scope: GraphScope) -> Optional[str]:
     """Why this config's MoE layer cannot be captured as one CUDA graph, or None. ``blockers``:
     each backend with why it cannot run the config (named where the chosen one takes host
@@ -94,12 +89,9 @@ def _host_counts_blocker(backend, blockers) -> Optional[str]:
 
 def _whole_layer_blocker(config) -> Optional[str]:
     """What the attention around the MoE layer adds when the whole layer is one graph."""
-    if getattr(config, "fp4", None):
-        return "FP4 in the attention's Transformer Engine layers (not verified inside the captured layer)"
-    if config.fp8 and config.fp8_recipe not in GRAPHED_FP8_RECIPES:
-        return (f"--fp8-recipe {config.fp8_recipe}: its scales live in Transformer Engine's host-updated state, "
-                f"which a replayed layer would not update; use --fp8-recipe {' or '.join(GRAPHED_FP8_RECIPES)}, "
-                "or --cuda-graph-scope moe")
+    if config.fp8 or getattr(config, "fp4", None):
+        return ("FP8 (or FP4) in the attention's Transformer Engine layers keeps TE's state, which this capture "
+                "does not manage (it refreshes the experts' FP8 weights only): use --cuda-graph-scope moe")
     if config.attention_dropout or config.hidden_dropout:
         return ("dropout inside the captured layer (--attention-dropout, --hidden-dropout): that its random "
                 "numbers are new at every replay is not verified yet; set both to 0, or use --cuda-graph-scope moe")

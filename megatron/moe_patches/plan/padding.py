@@ -96,9 +96,6 @@ def _aligned_groups(config, backend, notes) -> PaddingPlan:
     dispatcher (``aligned_groups``): they are padded where that stays graph-safe."""
     align, kernels = backend.aligned_groups(config)
     if align is None:
-        missing = backend.kernels_to_install(config)
-        if missing is not None:
-            notes.append((logging.INFO, f"the {backend.name} experts: {missing}."))
         return PaddingPlan(None, NOBODY)
     reason = static_padding_blocker(config)
     if reason is not None:
