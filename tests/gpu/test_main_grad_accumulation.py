@@ -92,8 +92,9 @@ class _LayerAndLinear(torch.nn.Module):
         return logits
 
 
-def _main_grads(fusion, grouped_weight, graphs=False):
-    """Every parameter's main_grad after MICRO_BATCHES micro-batches and the grad sync."""
+def _main_grads(fusion, grouped_weight, graphs=False, precision="bf16", **overrides):
+    """Every parameter's main_grad after MICRO_BATCHES micro-batches and the grad sync
+    (``precision``: the layer harness's, e.g. "fp8-blockwise-bf16-wgrad")."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.moe_patches import apply, revert
     from megatron.moe_patches.config import PatchedTransformerConfig
@@ -105,10 +106,13 @@ def _main_grads(fusion, grouped_weight, graphs=False):
     apply()
     try:
         init_single_gpu()
-        kwargs = small_moe_kwargs(8, 2, moe_device_tokens_per_expert=True, moe_single_grouped_weight=grouped_weight,
-                                  gradient_accumulation_fusion=fusion)
+        kwargs = small_moe_kwargs(8, 2, precision=precision, moe_device_tokens_per_expert=True,
+                                  moe_single_grouped_weight=grouped_weight, gradient_accumulation_fusion=fusion,
+                                  **overrides)
         config = PatchedTransformerConfig(**kwargs)
         model = _LayerAndLinear(config)
+        if precision != "bf16":
+            assert type(model.moe.experts.backend).__name__ == "FP8GroupedMMBackend"
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=1 << 16), model)
         generator = torch.Generator(device="cuda").manual_seed(7)
@@ -143,6 +147,24 @@ def test_ddp_main_grads_fused_equal_unfused(grouped_weight):
     assert summary["max_rel"] < 1e-2
     rest = compare(unfused, fused, [n for n in fused if n not in fused_weights])
     print("other parameters:", rest)
+    assert rest["bitwise"], rest
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8-bf16-wgrad", "fp8-blockwise", "fp8-blockwise-bf16-wgrad"])
+def test_fp8_experts_main_grads_fused_equal_unfused(precision):
+    """F13 with the FP8 grouped-GEMM experts (F10): FP8 or bf16 weight gradients added into the
+    grouped fp32 main_grad by the GEMM equal DDP's add of the returned gradient (which rounds
+    each micro-batch's gradient to bf16 first); every other parameter is bitwise the same."""
+    from gpu_checks import compare
+
+    sizes = dict(moe_ffn_hidden_size=256) if "blockwise" in precision else {}  # whole 128x128 tiles
+    unfused = _main_grads(False, True, precision=precision, **sizes)
+    fused = _main_grads(True, True, precision=precision, **sizes)
+    experts = [n for n in fused if "linear_fc" in n]
+    summary = compare(unfused, fused, experts)
+    print(f"{precision} fused vs unfused expert weights:", summary)
+    assert len(experts) == 2 and summary["max_rel"] < 1e-2
+    rest = compare(unfused, fused, [n for n in fused if n not in experts and not n.startswith("head.")])
     assert rest["bitwise"], rest
 
 
