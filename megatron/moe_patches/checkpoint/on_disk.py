@@ -549,7 +549,6 @@ def read_common_state(path: str) -> dict:
     if os.path.isfile(os.path.join(path, COMMON_STATE_FNAME)):
         return _read_common_file(os.path.join(path, COMMON_STATE_FNAME))
 
-    import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata

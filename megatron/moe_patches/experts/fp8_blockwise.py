@@ -104,8 +104,7 @@ class _BlockwiseGroupedLinear(torch.autograd.Function):
             dx_TI = ctx.grouped_nt(dy8_TO, weights.w8_EKN, ends_E, sdy_TOt, weights.scale_inv_EKtNt,
                                    ctx.blocks).to(dy_TO.dtype)
         if ctx.fp8_wgrad:
-            x_saved = ctx.x_saved
-            dw_EOI = computed_wgrad(lambda dtype, into: _grouped_wgrad(dy_tokens, x_saved, dtype, into),
+            dw_EOI = computed_wgrad(lambda dtype, into: _grouped_wgrad(dy_tokens, ctx.x_saved, dtype, into),
                                     ctx.w_EOI, ctx.target)
         elif ctx.needs_input_grad[1]:
             dw_EOI = bf16_wgrad(x_TI, dy_TO, ends_E, ctx.w_EOI, ctx.target)

@@ -39,6 +39,8 @@ weights: the expert's scale per output column), so no rescaling pass is needed.
   [E, out, in] gradient. Only the FP8 copies of the input are kept for the backward.
 - Parameters stay bf16 (the distributed optimizer sees bf16 params and fp32 main params,
   as with the grouped_mm backend); the FP8 copies are a per-step cache, not parameters.
+  Under gradient_accumulation_fusion (F13) the weight gradients go into DDP's fp32 main_grad
+  (``grouped_mm.bf16_wgrad`` / ``computed_wgrad``), as the bf16 experts' do.
 
 Other recipes (delayed, MXFP8) and ``--fp8-param-gather`` keep the TE backend, with one log
 line naming why.
