@@ -211,12 +211,11 @@ def _blocks(features: int):
 
 
 @functools.cache
-def _triton_kernels():
-    """The two kernels, compiled on first use (Triton is a GPU-side import)."""
+def _triton_store_quantized():
+    """The rows' 1x128 E4M3 store both kernels end with (a Triton device function)."""
     import triton
     import triton.language as tl
 
-    expert_max = triton_expert_max()
     scales, to_e4m3, magnitude = jit_helpers()
 
     @triton.jit
@@ -235,6 +234,18 @@ def _triton_kernels():
         kb = first_column // 128 + tl.arange(0, BLOCK_F // 128)
         tl.store(s_ptr + r[:, None].to(tl.int64) * (columns // 128) + kb[None, :], scale_inv,
                  mask=row_in[:, None] & (kb[None, :] < end_column // 128))
+
+    return store_quantized
+
+
+@functools.cache
+def _triton_kernels():
+    """The two kernels, compiled on first use (Triton is a GPU-side import)."""
+    import triton
+    import triton.language as tl
+
+    expert_max = triton_expert_max()
+    store_quantized = _triton_store_quantized()
 
     @triton.jit
     def forward_kernel(h_ptr, p_ptr, a_ptr, rows, used_ptr, HAS_USED: tl.constexpr, features, alpha, offset,
