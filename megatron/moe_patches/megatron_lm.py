@@ -26,12 +26,13 @@ What it does, and why there:
   ``TransformerConfig`` (whose checks hold the patch set's rules) only at model
   construction, after torch.distributed and the GPUs are set up. ``enable`` wraps
   ``validate_args`` (and ``validate_yaml``, its ``--yaml-cfg`` twin) wherever
-  ``megatron.training`` binds them: once Megatron-LM's own checks pass, the config is built
-  from the args as Megatron-LM builds it, and a refused value ends the run with one
-  ``error:`` line naming it (exit status 2, as argparse), not a traceback after start-up.
-  Megatron-LM's rule that local CUDA graphs at EP > 1 need an inference-only flag is left to
-  the patch set's own rule for its MoE graphs (``_training_graphs_at_ep``). The checkpoint
-  ``--load`` names is judged from its files there too (``check_load_before_start``).
+  ``megatron.training`` binds them: once Megatron-LM's own checks pass, the preflight both
+  loops share (``check_before_start``: ``preflight.judge``) builds the config once from the
+  args as Megatron-LM builds it and judges the checkpoint ``--load`` names from its files; a
+  refused value ends the run with one ``error:`` line naming it (exit status 2, as argparse),
+  not a traceback after start-up. Megatron-LM's rule that local CUDA graphs at EP > 1 need an
+  inference-only flag is left to the patch set's own rule for its MoE graphs
+  (``_training_graphs_at_ep``).
 - Batches without host waits at TP 1: Megatron-LM's ``get_batch_on_this_tp_rank`` broadcasts
   each micro-batch within the tensor-parallel group and makes a device tensor from a host
   int on the way (the host waits for the GPU twice per micro-batch), even when the group is
@@ -53,9 +54,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.fields import restore_patch_args
-from megatron.moe_patches.graph_scopes import (GraphScope, LoopTraits, full_iteration_loop_refusal, graph_scope,
-                                               holds_moe_layers, scope_names)
+from megatron.moe_patches.graph_scopes import LoopTraits, holds_moe_layers, scope_names
 from megatron.moe_patches.installer import apply, revert, status
+from megatron.moe_patches.preflight import CheckpointPolicy, LoopWords, PreflightRequest, judge, plain_text
 from megatron.moe_patches.registry import MEGATRON_LM_WRAPS
 
 # What enable() wraps, where, and why: the registry's table (the dataset helpers' stand-in, its
@@ -194,9 +195,7 @@ def _checking_the_config(validate: Callable) -> Callable:
     def validate_and_check_the_config(args, *rest, **kwargs):
         with _training_graphs_at_ep(args):
             result = validate(args, *rest, **kwargs)
-        validated = result if isinstance(result, argparse.Namespace) else args
-        check_config_before_start(validated)
-        check_load_before_start(validated)
+        check_before_start(result if isinstance(result, argparse.Namespace) else args)
         return result
 
     return validate_and_check_the_config
@@ -224,115 +223,97 @@ def _training_graphs_at_ep(args: argparse.Namespace):
             args.moe_pad_experts_for_cuda_graph_inference = False
 
 
-def check_config_before_start(args: argparse.Namespace) -> None:
-    """Build the TransformerConfig from ``args`` as Megatron-LM's model builder does; a value
-    its checks refuse (the patch set's rules among them) ends the run with one ``error:`` line
-    and exit status 2, before torch.distributed and the GPUs start."""
-    from megatron.training.arguments import core_transformer_config_from_args
-
+def check_before_start(args: argparse.Namespace) -> None:
+    """The preflight both loops share (``preflight.judge``), on Megatron-LM's validated args
+    (``megatron_lm_request``): the TransformerConfig built once from them as Megatron-LM's model
+    builder does (the patch set's rules among its checks), what this loop runs inside a
+    ``full_iteration`` graph, and the torch_dist checkpoint --load names. A refusal ends the run
+    with one ``error:`` line each and exit status 2, before torch.distributed and the GPUs start."""
     try:
-        core_transformer_config_from_args(args)
-        refusal = full_iteration_refusal(args)
-        if refusal is not None:
-            raise ValueError(refusal)
-    except ValueError as error:
-        _refuse(error)
+        request = megatron_lm_request(args)
+    except ValueError as error:  # Megatron-LM's own mapping of the args refused them
+        _refuse(str(error))
+    verdict = judge(request)
+    verdict.say_config_warnings()
+    if verdict.refusals:
+        _refuse(*verdict.refusals)
 
 
-def full_iteration_refusal(args: argparse.Namespace) -> Optional[str]:
-    """What in Megatron-LM's loop a ``full_iteration`` graph cannot hold, or None: its traits
-    (timers at ``--timing-log-level``, the spiky-loss check; with Megatron-LM's default
-    --barrier-with-level-1-timing its timers wait in a barrier too) judged by the rule both loops
-    share (``graph_scopes.full_iteration_loop_refusal``)."""
-    if graph_scope(args) is not GraphScope.FULL_ITERATION:
-        return None
+def megatron_lm_request(args: argparse.Namespace) -> PreflightRequest:
+    """Megatron-LM's args as the preflight's request. Its loop's traits inside a captured
+    iteration: timers at ``--timing-log-level`` (with Megatron-LM's default
+    --barrier-with-level-1-timing they wait in a barrier too) and the spiky-loss check. Its
+    checkpoints: --ckpt-step, "release" trackers, --finetune; other formats are left to it."""
+    config = _config_class_and_kwargs(args)
     traits = LoopTraits(timing_level=getattr(args, "timing_log_level", 0) or 0,
                         spiky_loss_check=bool(getattr(args, "check_for_spiky_loss", False)))
-    return full_iteration_loop_refusal(traits)
+    checkpoint = CheckpointPolicy(
+        root=getattr(args, "load", None), step=getattr(args, "ckpt_step", None),
+        ckpt_format=getattr(args, "ckpt_format", "torch_dist"),
+        exit_on_missing=bool(getattr(args, "exit_on_missing_checkpoint", False)),
+        model_args_from_checkpoint=bool(getattr(args, "use_checkpoint_args", False)),
+        load_optimizer=not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)),
+        release_checkpoints=True)
+    return PreflightRequest(config_class=config[0] if config else None, config_kwargs=config[1] if config else {},
+                            loop=traits, checkpoint=checkpoint, run_args=vars(args), words=MegatronLMWords())
 
 
-def check_load_before_start(args: argparse.Namespace) -> None:
-    """Judge the torch_dist checkpoint ``--load`` names from its files, as this package's
-    driver does before start-up (``checkpoint.on_disk``): a tracker that is no iteration
-    number or names an iteration that is missing or incomplete (``--ckpt-step``'s iteration
-    too), an unreadable directory, a missing checkpoint under --exit-on-missing-checkpoint,
-    saved args that give the model other shapes (without --use-checkpoint-args), and
-    distributed-optimizer states saved in another expert parameter layout (F7's rule)
-    end the run with one ``error:`` line and exit status 2 instead of failing after start-up.
-    Other checkpoint formats and Megatron-LM's "release" checkpoints are left to Megatron-LM (a
-    "release" tracker without its release/ folder is refused)."""
-    root = getattr(args, "load", None)
-    if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
-        return
+# The config classes Megatron-LM's core_transformer_config_from_args picks by name in its module.
+_CONFIG_CLASS_NAMES = ("TransformerConfig", "MLATransformerConfig", "HeterogeneousTransformerConfig")
+
+
+def _config_class_and_kwargs(args: argparse.Namespace) -> Optional[Tuple[type, dict]]:
+    """(the config class, its kwargs) that Megatron-LM's ``core_transformer_config_from_args``
+    builds from ``args``, read by running it with stand-ins of its config classes that keep what
+    they are given (so the config is built once, by the preflight, with Megatron-LM's own mapping)."""
+    from megatron.training import arguments
+
+    stock = {name: getattr(arguments, name) for name in _CONFIG_CLASS_NAMES
+             if isinstance(getattr(arguments, name, None), type)}
     try:
-        if _names_a_release(root):
-            _check_release_folder(root)
-            return
-        step = getattr(args, "ckpt_step", None)
-        if step is not None:
-            path = on_disk.iteration_dir(root, step)
-            reason = on_disk.incomplete_reason(path)
-            if reason is not None:
-                raise on_disk.CheckpointError(f"--load {root} --ckpt-step {step}: {path} is not a complete "
-                                              f"checkpoint ({reason}); give --ckpt-step a saved iteration")
-        else:
-            path, missing = on_disk.find_checkpoint(root)
-            if path is None:
-                if getattr(args, "exit_on_missing_checkpoint", False):
-                    raise on_disk.missing_checkpoint_refusal(root, missing)
-                return  # Megatron-LM trains from scratch, and says so
-        if not getattr(args, "use_checkpoint_args", False):
-            _check_model_shape(args, path)
-        if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
-            refusal = on_disk.optimizer_layout_refusal(path, args)
-            if refusal is not None:
-                raise on_disk.CheckpointError(refusal)
-    except on_disk.CheckpointError as error:
-        _refuse(error)
+        for name, config_class in stock.items():
+            setattr(arguments, name, _kwargs_keeper(config_class))
+        kept = arguments.core_transformer_config_from_args(args)
+    finally:
+        for name, config_class in stock.items():
+            setattr(arguments, name, config_class)
+    return kept.config_class, kept.kwargs
 
 
-def _check_model_shape(args: argparse.Namespace, path: str) -> None:
-    """Refuse a checkpoint whose saved args (Megatron-LM's Namespace) give the model other
-    shapes than this run's flags (``on_disk.model_shape_differences``, the driver's rule too):
-    its load would fail after start-up, tensor by tensor."""
-    try:
-        saved = on_disk.read_common_state(path).get("args")
-    except Exception:  # noqa: BLE001 - an unreadable common state: find_checkpoint named it already
-        return
-    if not isinstance(saved, argparse.Namespace):
-        return  # saved by another program (this package's driver saves a dict): not comparable here
-    differ = [f"--{name.replace('_', '-')} {theirs} (checkpoint) vs {ours} (now)"
-              for name, theirs, ours in on_disk.model_shape_differences(vars(saved), vars(args))]
-    if differ:
-        raise on_disk.CheckpointError(
-            f"--load {path}: the checkpoint holds another model: {'; '.join(differ)}; give the checkpoint's "
-            "sizes, add --use-checkpoint-args to take them from it, or point --load at a checkpoint of this model")
+def _kwargs_keeper(config_class: type) -> type:
+    """A class with ``config_class``'s dataclass fields (what Megatron-LM reads of it) whose
+    construction keeps the class and the kwargs, and checks nothing."""
+
+    class KwargsOf(config_class):
+        def __init__(self, **kwargs):  # not the dataclass's: no __post_init__, no checks
+            self.config_class, self.kwargs = config_class, kwargs
+
+    return KwargsOf
 
 
-def _names_a_release(root: str) -> bool:
-    """Whether the tracker under ``root`` names Megatron-LM's "release" checkpoint (read as
-    the driver reads trackers)."""
-    try:
-        return on_disk.tracker_text(root) == "release"
-    except on_disk.CheckpointError:
-        return False  # find_checkpoint names the error
+class MegatronLMWords(LoopWords):
+    """Megatron-LM's loop's words for a checkpoint of other shapes, and its saved args (a Namespace)."""
+
+    def saved_shape_args(self, path: str) -> Optional[dict]:
+        try:
+            saved = on_disk.read_common_state(path).get("args")
+        except Exception:  # noqa: BLE001 - an unreadable common state: find_checkpoint named it already
+            return None
+        # saved by another program (this package's driver saves a dict): not comparable here
+        return vars(saved) if isinstance(saved, argparse.Namespace) else None
+
+    def shape_refusal(self, path: str, differences) -> str:
+        differ = [f"--{name.replace('_', '-')} {theirs} (checkpoint) vs {ours} (now)"
+                  for name, theirs, ours in differences]
+        return (f"--load {path}: the checkpoint holds another model: {'; '.join(differ)}; give the checkpoint's "
+                "sizes, add --use-checkpoint-args to take them from it, or point --load at a checkpoint of this model")
 
 
-def _check_release_folder(root: str) -> None:
-    """Megatron-LM loads a "release" tracker's checkpoint from ``root``/release, which it reads
-    its own way; a missing folder would fail its load after start-up."""
-    release = os.path.join(root, "release")
-    if not os.path.isdir(release):
-        raise on_disk.CheckpointError(
-            f"--load {root}: the checkpoint tracker {os.path.join(root, on_disk.TRACKER)} names Megatron-LM's release "
-            f"checkpoint, but {release} is not a directory: put the release checkpoint there, or write the iteration "
-            "of a saved checkpoint into the tracker")
-
-
-def _refuse(error: Exception) -> None:
-    """One ``<program>: error: ...`` line and exit status 2, as argparse ends a bad command."""
-    message = " ".join(str(error).split())
-    print(f"{os.path.basename(sys.argv[0] or 'pretrain_gpt.py')}: error: {message}", file=sys.stderr)
+def _refuse(*refusals: str) -> None:
+    """One ``<program>: error: ...`` line each and exit status 2, as argparse ends a bad command."""
+    program = os.path.basename(sys.argv[0] or 'pretrain_gpt.py')
+    for refusal in refusals:
+        print(f"{program}: error: {plain_text(refusal)}", file=sys.stderr)
     raise SystemExit(2) from None
 
 
@@ -378,4 +359,4 @@ def _report(names: List[str], checkpoint_args: argparse.Namespace) -> None:
         print_rank_0(f"moe_patches: {name} = {getattr(checkpoint_args, name)!r} from the checkpoint's args")
 
 
-__all__ = ["enable", "disable", "restore_patch_args", "check_config_before_start"]
+__all__ = ["enable", "disable", "restore_patch_args", "check_before_start"]

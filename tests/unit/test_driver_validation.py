@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron.moe_patches.config import PatchedTransformerConfig
+from megatron.moe_patches import preflight
 from megatron.moe_patches.driver import arguments, config_refusals
-from megatron.moe_patches.driver.arguments import parse_args, transformer_config_kwargs, validate_config
+from megatron.moe_patches.driver.arguments import driver_request, parse_args, transformer_config_kwargs
 
 from driver_model import REQUIRED, RUN
 
@@ -24,6 +25,15 @@ MOE_MODEL = ["--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "
              "--swiglu", "--disable-bias-linear", "--num-experts", "8", "--moe-ffn-hidden-size", "512",
              "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--bf16"]
 MOE = [*RUN, *MOE_MODEL]
+
+
+def validate_config(args, te_available=None):
+    """The preflight's judgement of the driver's args (a refusal raised); the fields whose
+    megatron-core checks wait for setup()."""
+    verdict = preflight.judge(driver_request(args, te_available=te_available))
+    if verdict.refusals:
+        raise ValueError("\n".join(verdict.refusals))
+    return list(verdict.deferred)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -218,7 +228,7 @@ def test_te_probing_checks_are_left_to_setup_only_without_te(capsys, refused):
     assert refused([*MOE, "--moe-device-tokens-per-expert", "--moe-single-grouped-weight", "--fp8-format", "e4m3"],
                    ).startswith("Invalid MoE patch configuration: moe_single_grouped_weight=True needs an "
                                       "expert backend that holds grouped parameters")
-    assert set(config_refusals.TE_PROBED_FIELDS) == {"moe_permute_fusion", "fp8", "fp8_recipe",
+    assert set(preflight.TE_PROBED_FIELDS) == {"moe_permute_fusion", "fp8", "fp8_recipe",
                                                "moe_router_padding_for_quantization", "apply_rope_fusion"}
 
 
@@ -253,7 +263,7 @@ def test_router_fields_map_into_the_config():
                           moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend="deepep",
                           moe_shared_expert_intermediate_size=384, num_moe_experts=8, moe_ffn_hidden_size=512,
                           moe_grouped_gemm=True, moe_permute_fusion=False)
-    for name in config_refusals.TE_PROBED_FIELDS:
+    for name in preflight.TE_PROBED_FIELDS:
         kwargs.pop(name, None)
     config = PatchedTransformerConfig(**kwargs)
     assert (config.moe_router_topk, config.moe_router_load_balancing_type, config.moe_aux_loss_coeff,

@@ -117,7 +117,7 @@ def test_enable_applies_the_series(fake_training):
 def test_use_checkpoint_args_restores_the_patch_args(fake_training, monkeypatch):
     megatron_lm.enable()
     # Every patch arg set at once contradicts itself; the config check is tested below.
-    monkeypatch.setattr(megatron_lm, "check_config_before_start", lambda args: None)
+    monkeypatch.setattr(megatron_lm, "_config_class_and_kwargs", lambda args: None)  # no config judged
     fake_training.checkpointing.SAVED_ARGS["ckpt"] = argparse.Namespace(**saved_patch_args())
     args = parsed_defaults(load="ckpt", use_checkpoint_args=True)
 
@@ -195,7 +195,7 @@ def test_moe_graphs_at_ep_pass_megatron_lms_inference_padding_rule(fake_training
     from megatron.core.transformer.enums import CudaGraphScope
 
     megatron_lm.enable()
-    monkeypatch.setattr(megatron_lm, "check_config_before_start", lambda args: None)
+    monkeypatch.setattr(megatron_lm, "_config_class_and_kwargs", lambda args: None)  # no config judged
     args = parsed_defaults(use_checkpoint_args=False, num_experts=8, expert_model_parallel_size=2,
                            cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope[s] for s in scope],
                            moe_pad_experts_for_cuda_graph_inference=False)
@@ -505,7 +505,7 @@ def test_full_iteration_with_host_work_inside_is_refused_before_start_up(fake_tr
                                activation_func=torch.nn.functional.silu, cuda_graph_impl="local", cuda_graph_scope=[CudaGraphScope.full_iteration],
                                timing_log_level=level, barrier_with_L1_time=barrier, check_for_spiky_loss=spiky)
         if not refused:
-            assert megatron_lm.full_iteration_refusal(args) is None
+            assert fake_training.initialize.initialize_megatron(args) is args
             return
         with pytest.raises(SystemExit) as exited:
             fake_training.initialize.initialize_megatron(args)

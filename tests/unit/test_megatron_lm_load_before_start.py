@@ -1,5 +1,5 @@
 """Megatron-LM's loop judges the checkpoint --load names before start-up, from its files, as
-this package's driver does (``megatron_lm.check_load_before_start``, run where Megatron-LM
+this package's driver does (``megatron_lm.check_before_start``, the preflight run where Megatron-LM
 validates its args): an incomplete or missing iteration (the tracker's or --ckpt-step's), a
 missing checkpoint under --exit-on-missing-checkpoint, saved args of another model shape and
 flat optimizer states saved in another expert parameter layout end the run with one error line and exit status 2. What
@@ -29,7 +29,7 @@ def initialize(monkeypatch):
     of a refused run, or None where the run goes on."""
     package = install_fake_training(monkeypatch, MEGATRON_LM_MODULES)
     megatron_lm.enable()
-    monkeypatch.setattr(megatron_lm, "check_config_before_start", lambda args: None)  # not judged here
+    monkeypatch.setattr(megatron_lm, "_config_class_and_kwargs", lambda args: None)  # no config judged here
 
     def run(capsys, **given):
         defaults = {f.name: f.default for f in PATCH_FIELDS}

@@ -183,29 +183,33 @@ def test_drop_and_pad_is_megatron_cores_own_graph():
     (dict(spiky_loss_check=True), "drop --check-for-spiky-loss"),
     (dict(), None),
 ])
-def test_both_loops_judge_their_traits_by_one_rule(traits, named):
+def test_both_loops_judge_their_traits_by_one_rule(traits, named, monkeypatch):
+    """Each loop's adapter reads its own traits from its args; the preflight judges them by one rule."""
     import argparse
 
     from megatron.moe_patches import megatron_lm
-    from megatron.moe_patches.driver.arguments import _check_graph_scope
+    from megatron.moe_patches.driver.arguments import driver_traits
     from megatron.moe_patches.graph_scopes import LoopTraits, full_iteration_loop_refusal
 
     said = full_iteration_loop_refusal(LoopTraits(**traits))
     assert (said is None) if named is None else (named in said)
-    driver = argparse.Namespace(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"],
-                                check_for_nan_in_loss_and_grad=traits.get("host_nan_check", False),
+    driver = argparse.Namespace(check_for_nan_in_loss_and_grad=traits.get("host_nan_check", False),
                                 rampup_batch_size=[2, 2, 40] if traits.get("batch_rampup") else None)
-    megatron = argparse.Namespace(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"],
-                                  timing_log_level=traits.get("timing_level", 0),
+    megatron = argparse.Namespace(timing_log_level=traits.get("timing_level", 0),
                                   check_for_spiky_loss=traits.get("spiky_loss_check", False))
-    if set(traits) & {"host_nan_check", "batch_rampup"}:
-        with pytest.raises(ValueError) as refused:
-            _check_graph_scope(driver)
-        assert str(refused.value) == said
-    else:
-        _check_graph_scope(driver)
-    assert megatron_lm.full_iteration_refusal(megatron) == (said if set(traits) & {"timing_level", "spiky_loss_check"}
-                                                            else None)
+    monkeypatch.setattr(megatron_lm, "_config_class_and_kwargs", lambda args: None)  # the traits alone
+    loops = {"driver": (driver_traits(driver), {"host_nan_check", "batch_rampup"}),
+             "megatron_lm": (megatron_lm.megatron_lm_request(megatron).loop, {"timing_level", "spiky_loss_check"})}
+    for loop, its_traits in loops.values():
+        assert whole_iteration_refusals(loop) == ((said,) if set(traits) & its_traits else ())
+
+
+def whole_iteration_refusals(loop):
+    """The preflight's refusals of a whole-iteration graph in a loop of these traits."""
+    from megatron.moe_patches.preflight import PreflightRequest, judge
+
+    whole_iteration = dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+    return judge(PreflightRequest(config_class=None, config_kwargs=whole_iteration, loop=loop)).refusals
 
 
 @pytest.mark.parametrize("overrides, ep, tp, expected", [
@@ -274,14 +278,12 @@ def test_driver_refuses_a_ramp_up_under_the_whole_iteration_graph():
     """(The rule asked directly: the tiny recipe counts its run in iterations.)"""
     import argparse
 
-    from megatron.moe_patches.driver.arguments import _check_graph_scope
+    from megatron.moe_patches.driver.arguments import driver_traits
 
-    args = argparse.Namespace(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"],
-                              check_for_nan_in_loss_and_grad=False, rampup_batch_size=[2, 2, 40])
-    with pytest.raises(ValueError, match="fixed number of micro-batches"):
-        _check_graph_scope(args)
+    args = argparse.Namespace(check_for_nan_in_loss_and_grad=False, rampup_batch_size=[2, 2, 40])
+    assert "fixed number of micro-batches" in whole_iteration_refusals(driver_traits(args))[0]
     args.rampup_batch_size = None
-    _check_graph_scope(args)
+    assert whole_iteration_refusals(driver_traits(args)) == ()
 
 
 @pytest.mark.parametrize("extra, expected", [

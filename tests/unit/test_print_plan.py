@@ -61,7 +61,7 @@ def test_training_prints_the_plan_first(capsys, reverted, monkeypatch):
     from megatron.moe_patches.driver import training
 
     monkeypatch.setattr(training, "require_gpu", lambda prog: None)
-    monkeypatch.setattr(training, "pretrain", lambda args: print("training"))
+    monkeypatch.setattr(training, "pretrain", lambda args, verdict: print("training"))
     assert main(["--yaml-cfg", "tiny-moe"], prog="pretrain_gpt.py") == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "moe_patches plan: expert backend: grouped_mm" and out[-1] == "training"

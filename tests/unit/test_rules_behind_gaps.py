@@ -80,7 +80,7 @@ def test_single_grouped_bias_alone_is_refused_where_no_backend_holds_grouped_par
     with pytest.raises(ValueError) as err:
         PatchedTransformerConfig(**BIASED_MOE, moe_single_grouped_bias=True)
     assert BIAS_REFUSAL in str(err.value)
-    # ... and pretrain_gpt.py before start-up (validate_config), whatever keeps the holders out.
+    # ... and pretrain_gpt.py before start-up (the preflight), whatever keeps the holders out.
     for flags in NO_HOLDER_FLAGS:
         message = refused([*BIASED_MOE_FLAGS, *flags, "--moe-single-grouped-bias"])
         assert message.startswith(PATCH_REFUSAL + BIAS_REFUSAL), (flags, message)

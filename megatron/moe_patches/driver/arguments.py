@@ -10,19 +10,20 @@ command line, then, before any CUDA or NCCL work: the checks of each setting on 
 every problem found and all printed together (the recipe's keys, ``all_refusals`` of those
 flags, ``given_value_problems``: empty paths, integer ranges, float domains); then, where there
 is none, ``check_environment`` (the variables the run reads), ``apply_megatron_lm_rules`` (what
-Megatron-LM makes of the flags as given), ``check_load`` (what ``--load`` holds;
-``--use-checkpoint-args`` takes the checkpoint's model args here, else its model shape must be
-this run's), ``check_args``
+Megatron-LM makes of the flags as given), ``take_checkpoint_args`` (``--use-checkpoint-args``
+takes the checkpoint's model args here), ``check_args``
 (Megatron-LM's required flags, ``INT_RANGES``, contradictions, parallel sizes against
-``WORLD_SIZE``, the data files and output directories) and ``validate_config`` (the full
-TransformerConfig with the patch fields, built as ``training.setup`` builds it). Every
+``WORLD_SIZE``, the data files and output directories) and the preflight both loops share
+(``preflight.judge`` of ``driver_request``: the full TransformerConfig with the patch fields,
+built once as ``training.setup`` uses it, this loop's traits inside a captured iteration, and
+what ``--load`` holds: its model shape must be this run's, its optimizer layout too). Every
 refusal is one ``pretrain_gpt.py: error: ...`` line on stderr (more lines only where there
 are several problems) naming the flags and the fix, with exit status 2 and no traceback; a
 long value it echoes is shortened (``fields.shown``). ``--help`` and the errors of argparse, the
 recipe reader and the checks of each setting on its own come before megatron-core is imported,
 so they answer without its seconds of imports (a recipe's section key that no flag sets is
 looked up among TransformerConfig's fields, which imports it); ``--attention-backend`` holds the
-member's name (``megatron_lm_flags.AttnBackendName``) until just before ``validate_config``.
+member's name (``megatron_lm_flags.AttnBackendName``) until just before the preflight.
 ``transformer_config_kwargs`` maps the args to megatron-core's TransformerConfig
 (patched by ``apply()``, so the MoE patch fields are accepted; on a megatron-core the
 patch set does not install into, its own class, with the kwargs
@@ -37,26 +38,23 @@ import math
 import os
 import re
 import sys
-import warnings
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from megatron.moe_patches.checkpoint import on_disk
 from megatron.moe_patches.driver import compat, megatron_lm_flags
-from megatron.moe_patches.driver.config_refusals import (NATIVE_TE_PROBED_FIELDS, TE_PROBED_FIELDS,
-                                                         config_error_message, patch_refusal)
 from megatron.moe_patches.driver.data_files import check_data_path, check_split, check_validation_split
 from megatron.moe_patches.driver.given_values import check_ranges, given_value_problems
 from megatron.moe_patches.driver.launcher_env import check_environment, launcher_rank
-from megatron.moe_patches.driver.load_check import check_load
+from megatron.moe_patches.driver.load_check import DriverWords, take_checkpoint_args
 from megatron.moe_patches.driver.output_dirs import OUTPUT_DIRS, check_output_dir
 from megatron.moe_patches.driver.parser import PROG, build_parser, dest_flags, flag_of, parser_defaults
 from megatron.moe_patches.driver.patch_args import config_kwargs_from_args
-from megatron.moe_patches.graph_scopes import (CAPTURED_SCOPES, GraphScope, LoopTraits, full_iteration_loop_refusal,
-                                               scope_names)
+from megatron.moe_patches.graph_scopes import CAPTURED_SCOPES, GraphScope, LoopTraits, scope_names
 from megatron.moe_patches.fields import shown
 from megatron.moe_patches.driver.recipes import Recipe, RecipeError, UnknownKey, apply_recipe, load_recipe
+from megatron.moe_patches.preflight import CheckpointPolicy, PreflightRequest, Verdict, judge
 
 
 def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.Namespace:
@@ -65,6 +63,12 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     Everything here runs before any CUDA or NCCL work, so no bad input reaches a GPU.
     ``prog``: the command the user ran, named by the usage, error and warning lines.
     """
+    return parse_and_judge(argv, prog)[0]
+
+
+def parse_and_judge(argv: Optional[List[str]] = None, prog: str = PROG) -> Tuple[argparse.Namespace, Verdict]:
+    """``parse_args``, and the preflight's verdict on the args (``preflight.judge``: the config
+    built once, its plan, the checkpoint --load names), which start-up reuses."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog, names=True)  # megatron-core: imported by the checks that need it
     first, _ = parser.parse_known_args(argv)
@@ -100,16 +104,21 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = PROG) -> argparse.N
     try:
         world_size = check_environment(args)
         apply_megatron_lm_rules(args, warn)
-        check_load(args, warn)
+        take_checkpoint_args(args)
+        given_shape = dict(vars(args))  # the model's shape as given: check_args fills in derived sizes
         check_args(args, world_size=world_size)
         megatron_lm_flags.resolve_names(args)  # --attention-backend: megatron-core's AttnBackend member
-        validate_config(args)
+        verdict = judge(driver_request(args, given_shape))
+        if verdict.refusals:
+            parser.errors(parser.pending + list(verdict.refusals))
+        for said in verdict.notes:
+            warn(said)
         check_grouped_expert_fusions(args)  # megatron-core's asserts there: after the patch set's rules
     except ValueError as err:
         parser.error(str(err))
     if parser.pending:
         parser.errors(parser.pending)
-    return args
+    return args, verdict
 
 
 def given_settings(parser: argparse.ArgumentParser, argv: List[str], recipe: Recipe) -> List[Tuple[str, str]]:
@@ -135,7 +144,7 @@ LEGACY_SPLIT = "969, 30, 1"
 
 
 def apply_megatron_lm_rules(args: argparse.Namespace, warn: Callable[[str], None] = print) -> None:
-    """What Megatron-LM makes of the flags as given, once, before ``check_load`` takes any
+    """What Megatron-LM makes of the flags as given, once, before ``take_checkpoint_args`` takes any
     args from a checkpoint: the values the driver runs with, under the names it reads."""
     if not args.group_query_attention:
         if args.num_query_groups != 1:  # Megatron-LM ignores it: refuse rather than drop it
@@ -318,8 +327,6 @@ def check_args(args: argparse.Namespace, world_size: int = 1) -> None:
         raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
                          "(or this package's 'tensorboard' extra), or drop --tensorboard-dir")
     _check_graph_scope(args)
-    if args.cuda_graph_scope and args.cuda_graph_impl == "none":
-        raise ValueError("--cuda-graph-scope needs --cuda-graph-impl local or transformer_engine")
     _check_only_with(args)
     if args.num_experts is None:
         if args.expert_model_parallel_size > 1:
@@ -543,9 +550,11 @@ def _check_sequence_split(args: argparse.Namespace) -> None:
 
 
 def _check_graph_scope(args) -> None:
-    """The allow-list of scopes (``plan.graphs.CAPTURED_SCOPES``), and what this loop runs inside
-    a captured iteration (``plan.graphs.full_iteration_loop_refusal``)."""
+    """The allow-list of scopes this loop captures (``graph_scopes.CAPTURED_SCOPES``); what it runs
+    inside a captured iteration is judged with the config (``driver_traits``)."""
     if args.cuda_graph_impl == "none":
+        if args.cuda_graph_scope:
+            raise ValueError("--cuda-graph-scope needs --cuda-graph-impl local or transformer_engine")
         return
     scope = CAPTURED_SCOPES.get(frozenset(scope_names(args.cuda_graph_scope)))
     given = " ".join(args.cuda_graph_scope or ["(none: each layer whole)"])
@@ -553,15 +562,9 @@ def _check_graph_scope(args) -> None:
         raise ValueError(f"--cuda-graph-scope {given}: this pretrain_gpt.py captures moe (each MoE layer), "
                          "each transformer layer whole (no scope, or attn moe) or full_iteration; use one of "
                          "those, or Megatron-LM's training loop for megatron-core's other graph scopes")
-    if scope is GraphScope.FULL_ITERATION:
-        if args.cuda_graph_impl != "local":
-            raise ValueError("--cuda-graph-scope full_iteration needs --cuda-graph-impl local (megatron-core's "
-                             "capture of the whole iteration)")
-        traits = LoopTraits(host_nan_check=bool(args.check_for_nan_in_loss_and_grad),
-                            batch_rampup=args.rampup_batch_size is not None)
-        refusal = full_iteration_loop_refusal(traits)
-        if refusal is not None:
-            raise ValueError(refusal)
+    if scope is GraphScope.FULL_ITERATION and args.cuda_graph_impl != "local":
+        raise ValueError("--cuda-graph-scope full_iteration needs --cuda-graph-impl local (megatron-core's "
+                         "capture of the whole iteration)")
 
 
 def _check_only_with(args: argparse.Namespace) -> None:
@@ -666,75 +669,44 @@ def _check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
             )
 
 
-def validate_config(args: argparse.Namespace, te_available: Optional[bool] = None) -> List[str]:
-    """Build the TransformerConfig ``training.setup`` builds (patch fields included) and
-    turn its refusals into a ValueError naming the flags. For combinations the patch set
-    knows, its message wins over megatron-core's asserts.
+def driver_traits(args: argparse.Namespace) -> LoopTraits:
+    """What this loop runs inside a captured iteration (``graph_scopes.full_iteration_loop_refusal``)."""
+    return LoopTraits(host_nan_check=bool(args.check_for_nan_in_loss_and_grad),
+                      batch_rampup=args.rampup_batch_size is not None)
 
-    Returns the fields whose megatron-core checks were left to ``setup()`` because they ask
-    Transformer Engine and it is not importable here (see ``TE_PROBED_FIELDS``); with TE
-    (``te_available`` None: probe it) every check runs now. Without a visible CUDA device,
-    the MoE graph rule of an EP > 1 config (it asks whether F12's exchange can run on this
-    device) is left to ``setup()`` too.
+
+def driver_request(args: argparse.Namespace, given_shape: Optional[dict] = None,
+                   te_available: Optional[bool] = None) -> PreflightRequest:
+    """The driver's args as the preflight's request: the TransformerConfig ``training.setup``
+    builds (patch fields included), this loop's traits and --load. ``given_shape``: the args as
+    given, before derived sizes were filled in (the checkpoint's shape rule tells them apart).
+
+    ``te_available`` None: probe it; without TE the fields whose megatron-core checks ask it wait
+    for ``setup()`` (``preflight.TE_PROBED_FIELDS``), and without a visible CUDA device so does
+    the MoE graph rule of an EP > 1 config (it asks whether F12's exchange runs on this device).
     """
-    from megatron.moe_patches import capabilities
-    from megatron.moe_patches.config import validate_moe_patch_config
-
     kwargs = transformer_config_kwargs(args)
-    config_class = compat.config_class()  # megatron-core's own where the patch set does not install
-    patched = compat.patch_set_installs()
     if torch.cuda.is_available():  # config checks may ask the GPU: this rank's, not GPU 0 for all
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if te_available is None:
-        te_available = capabilities.te_version() is not None
-    probed = TE_PROBED_FIELDS if patched else {**TE_PROBED_FIELDS, **NATIVE_TE_PROBED_FIELDS}
-    deferred = [] if te_available else [n for n in probed if kwargs.get(n) not in (None, False)]
-    if "moe_permute_fusion" in deferred and kwargs.get("cuda_graph_impl") not in (None, "none"):
-        deferred.append("cuda_graph_impl")  # the MoE graph rule reads moe_permute_fusion
-    # Left to setup() whole: the MoE graph rule at EP > 1 asks whether this process can run
-    # F12's exchange, which needs a CUDA device; with none visible, that is the GPU check's to say.
-    unjudged = []
-    if (patched and not torch.cuda.is_available() and kwargs.get("cuda_graph_impl") not in (None, "none")
-            and kwargs.get("moe_symmetric_exchange") and (kwargs.get("expert_model_parallel_size") or 1) > 1):
-        unjudged.append("cuda_graph_impl")
-    late = {name: kwargs.pop(name) for name in deferred if name not in unjudged}
-    for name in unjudged:
-        kwargs.pop(name)
-    deferred += [name for name in unjudged if name not in deferred]
-    try:
-        with warnings.catch_warnings():  # setup() builds it again; its warnings show there once
-            warnings.simplefilter("ignore")
-            config = config_class(**kwargs)
-    except (ValueError, AssertionError, ImportError) as err:  # ImportError: a TE without the asked kernels
-        refusal = patch_refusal({**kwargs, **late}) if patched else None
-        raise ValueError(config_error_message(refusal or err)) from None
-    if late and patched:  # the patch set's checks need no TE: run them with the real values
-        for name, value in late.items():
-            setattr(config, name, value)
-        try:
-            validate_moe_patch_config(config)
-        except ValueError as err:
-            raise ValueError(config_error_message(err)) from None
-    return deferred
+    checkpoint = CheckpointPolicy(root=args.load,
+                                  exit_on_missing=bool(getattr(args, "exit_on_missing_checkpoint", False)),
+                                  model_args_from_checkpoint=bool(args.use_checkpoint_args),
+                                  load_optimizer=not getattr(args, "no_load_optim", False))
+    return PreflightRequest(
+        config_class=compat.config_class(),  # megatron-core's own where the patch set does not install
+        config_kwargs=kwargs, loop=driver_traits(args), checkpoint=checkpoint,
+        run_args=vars(args) if given_shape is None else given_shape, te_available=te_available,
+        device_rules_at_start_up=True,
+        words=DriverWords(null_tokenizer=args.tokenizer_type == megatron_lm_flags.NULL_TOKENIZER))
 
 
-def plan_lines(args: argparse.Namespace) -> List[str]:
-    """--print-plan: the plan (``plan.plan_for``) of the config this run builds, on this
-    machine, one decision a line. The fields ``validate_config`` leaves to the GPU machine
-    (megatron-core asks TE or the GPU about them) are set after construction."""
-    from megatron.moe_patches.plan import plan_for
-
-    deferred = validate_config(args)
-    kwargs = transformer_config_kwargs(args)
-    late = {name: kwargs.pop(name) for name in deferred if name in kwargs}
-    with warnings.catch_warnings():  # megatron-core's advice on the config: not the plan's
-        warnings.simplefilter("ignore")
-        config = compat.config_class()(**kwargs)
-    for name, value in late.items():
-        setattr(config, name, value)
-    if config.num_moe_experts is None:
+def plan_lines(verdict: Verdict) -> List[str]:
+    """--print-plan: the plan (``plan.plan_for``) of the config the verdict holds (this run's, on
+    this machine), one decision a line."""
+    plan = verdict.plan
+    if plan is None:
         return ["no MoE layer (--num-experts is not set): nothing to plan"]
-    return list(plan_for(config).lines())
+    return list(plan.lines())
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:

@@ -1,10 +1,8 @@
-"""The config built from the args, as its refusals read: a TransformerConfig error turned into
-one message naming the flags behind the fields, the patch set's own refusal first, and the
-fields whose megatron-core checks ask Transformer Engine."""
+"""The config's refusals as the driver words them: a TransformerConfig error turned into one
+message naming the flags behind the fields (the config itself is judged in ``preflight``)."""
 
-import dataclasses
 import re
-from typing import List, Optional
+from typing import List
 
 from megatron.moe_patches.driver.parser import dest_flags
 from megatron.moe_patches.driver.recipes import FIELD_ALIASES
@@ -12,25 +10,6 @@ from megatron.moe_patches.driver.recipes import FIELD_ALIASES
 # --- the full TransformerConfig, before start-up ---------------------------------------
 
 PATCH_ERROR_PREFIX = "Invalid MoE patch configuration"
-
-# Fields whose stock TransformerConfig checks ask Transformer Engine itself rather than
-# judge the flags: without TE they fail for every value. Where TE cannot be imported
-# (a CPU machine), validate_config builds the config without them, then runs the patch
-# set's checks (which need no TE) with them set, and leaves megatron-core's TE checks to
-# setup() on the GPU machine, where TE is installed and they run in full.
-TE_PROBED_FIELDS = {
-    "moe_permute_fusion": "megatron-core imports TE's fused permute kernels to check it",
-    "apply_rope_fusion": "megatron-core imports TE's fused RoPE kernels to check it",
-    "fp8": "megatron-core checks TE's version for FP8 MoE training",
-    "fp8_recipe": "read only together with fp8",
-    "moe_router_padding_for_quantization": "megatron-core checks it against fp8 (check_args checks it instead)",
-}
-# The same where megatron-core has the patch set's fields natively (and the patch set does
-# not install): its own checks of these ask TE's version.
-NATIVE_TE_PROBED_FIELDS = {
-    "moe_single_grouped_weight": "megatron-core checks TE's version for single grouped weights",
-    "moe_single_grouped_bias": "megatron-core checks TE's version for single grouped biases",
-}
 
 # Config field -> the flag's dest, where they differ.
 _CONFIG_FIELD_DESTS = {
@@ -69,32 +48,3 @@ def config_error_message(err: Exception) -> str:
         return "\n".join(lines)
     text = " ".join(text.split()) or f"{type(err).__name__} without a message"
     return f"megatron-core's TransformerConfig refuses these arguments: {_with_flags(text)}"
-
-
-def patch_refusal(kwargs: dict) -> Optional[ValueError]:
-    """The patch set's own refusal of these config kwargs, judged without megatron-core's
-    checks (whose bare asserts would otherwise speak first), or None."""
-    from megatron.moe_patches.config import PatchedTransformerConfig, validate_moe_patch_config
-
-    config = object.__new__(PatchedTransformerConfig)  # the fields, none of the checks
-    for field in dataclasses.fields(PatchedTransformerConfig):
-        if field.name in kwargs:
-            value = kwargs[field.name]
-        elif field.default is not dataclasses.MISSING:
-            value = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            value = field.default_factory()
-        else:
-            value = None
-        setattr(config, field.name, value)
-    if config.expert_tensor_parallel_size is None:  # megatron-core's defaults the checks read
-        config.expert_tensor_parallel_size = config.tensor_model_parallel_size
-    if config.num_moe_experts is not None and config.moe_ffn_hidden_size is None:
-        config.moe_ffn_hidden_size = config.ffn_hidden_size
-    try:
-        validate_moe_patch_config(config)
-    except ValueError as err:
-        return err
-    except Exception:  # a value the checks cannot read before megatron-core's normalisation
-        return None
-    return None

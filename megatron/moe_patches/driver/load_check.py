@@ -1,80 +1,75 @@
-"""What --load holds, judged before start-up as Megatron-LM would find it after: a checkpoint
-or none, its saved args (taken with --use-checkpoint-args, each of a type its flag gives), the
-model shape it was saved with, and the optimizer layout it holds."""
+"""What --load holds, as the driver reads it before start-up: the args --use-checkpoint-args
+takes from it (each of a type its flag gives), and the driver's words and saved-args reader for
+``preflight.judge``, which judges the checkpoint (its model shape, its optimizer layout) for
+both loops."""
 
 import argparse
-from typing import Callable, Optional
+from typing import Any, List, Optional, Tuple
 
 from megatron.moe_patches.checkpoint import on_disk
-from megatron.moe_patches.driver import checkpointing, megatron_lm_flags
+from megatron.moe_patches.driver import checkpointing
+from megatron.moe_patches.driver.config_refusals import config_error_message
 from megatron.moe_patches.driver.launcher_env import launcher_rank
 from megatron.moe_patches.driver.parser import flag_of, parser_actions
 from megatron.moe_patches.driver.patch_args import CHECKPOINT_RESTORED_ARGS
 from megatron.moe_patches.fields import shown
+from megatron.moe_patches.preflight import LoopWords
 
-def check_load(args: argparse.Namespace, warn: Callable[[str], None] = print) -> Optional[str]:
-    """What ``--load`` holds, decided before start-up (Megatron-LM's rules).
 
-    No checkpoint there (no such directory, an empty one, no tracker file): one warning
-    and training starts from scratch, or an error with ``--exit-on-missing-checkpoint``
-    and with ``--use-checkpoint-args``. A ``--load`` that is a file, or a tracker that does
-    not name a saved iteration, is an error naming the file. With ``--use-checkpoint-args``
-    the checkpoint's model args are taken here, each of a type its flag gives; without it, a
-    checkpoint whose saved args give the model other shapes (``on_disk.MODEL_SHAPE``) is refused.
-    Returns the checkpoint directory or None.
-    """
+def take_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the checkpoint's model args, taken before the flags are checked
+    together (each of a type its flag gives). No checkpoint to take them from is an error
+    (``--exit-on-missing-checkpoint``'s where given). What --load holds is judged later, with
+    the config (``preflight.judge``: ``driver_request``)."""
+    if not args.use_checkpoint_args:
+        return
     if not args.load:
-        if getattr(args, "use_checkpoint_args", False):
-            raise ValueError("--use-checkpoint-args needs --load (the checkpoint directory)")
-        return None
+        raise ValueError("--use-checkpoint-args needs --load (the checkpoint directory)")
     path, missing = checkpointing.find_checkpoint(args.load)
     if path is None:
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise checkpointing.missing_checkpoint_refusal(args.load, missing)
-        if args.use_checkpoint_args:
-            raise ValueError(
-                f"--use-checkpoint-args: --load {args.load} has no checkpoint to take the args from ({missing}); "
-                "point --load at a checkpoint directory or drop --use-checkpoint-args"
-            )
-        warn(f"--load {args.load}: {missing}; training starts from scratch "
-             "(--exit-on-missing-checkpoint makes this an error)")
-        return None
-    if args.use_checkpoint_args:
-        saved = checkpointing.saved_args(args.load)
-        _check_saved_types(saved, [*checkpointing.MODEL_ARGS, *(arg.name for arg in CHECKPOINT_RESTORED_ARGS)], path,
-                           "drop --use-checkpoint-args and give the model flags, or point --load at another checkpoint")
-        taken = checkpointing.restore_args(args, saved)
-        if launcher_rank() == 0:
-            print(f"--use-checkpoint-args: took {sorted(taken)} from {path}", flush=True)
-    else:
+        raise ValueError(
+            f"--use-checkpoint-args: --load {args.load} has no checkpoint to take the args from ({missing}); "
+            "point --load at a checkpoint directory or drop --use-checkpoint-args"
+        )
+    saved = checkpointing.saved_args(args.load)
+    _check_saved_types(saved, [*checkpointing.MODEL_ARGS, *(arg.name for arg in CHECKPOINT_RESTORED_ARGS)], path,
+                       "drop --use-checkpoint-args and give the model flags, or point --load at another checkpoint")
+    taken = checkpointing.restore_args(args, saved)
+    if launcher_rank() == 0:
+        print(f"--use-checkpoint-args: took {sorted(taken)} from {path}", flush=True)
+
+
+class DriverWords(LoopWords):
+    """The driver's words for what ``preflight.judge`` finds, and its reader of saved args (its
+    own dict, or Megatron-LM's Namespace in its names)."""
+
+    def __init__(self, null_tokenizer: bool):
+        self.null_tokenizer = null_tokenizer  # --vocab-size counts the ids without the end of document
+
+    def config_error(self, error: BaseException) -> str:
+        return config_error_message(error)
+
+    def saved_shape_args(self, path: str) -> Optional[dict]:
         saved = checkpointing.args_saved_at(path)
         if saved is not None:  # a checkpoint saved without args has no shape to compare
             _check_saved_types(saved, on_disk.MODEL_SHAPE, path, "point --load at another checkpoint")
-            _check_model_shape(args, saved, path)
-    # the refusal the optimizer's load would raise after start-up, said before it
-    refusal = None if getattr(args, "no_load_optim", False) else checkpointing.optimizer_layout_refusal(path, args)
-    if refusal is not None:
-        raise ValueError(refusal)
-    return path
+        return saved
 
-
-def _check_model_shape(args: argparse.Namespace, saved: dict, path: str) -> None:
-    """Refuse a checkpoint whose saved args give the model another shape than this run's flags
-    (``on_disk.model_shape_differences``, the rule Megatron-LM's loop applies too)."""
-    null_tokenizer = args.tokenizer_type == megatron_lm_flags.NULL_TOKENIZER
-    differences = []
-    for name, saved_value, run_value in on_disk.model_shape_differences(saved, vars(args)):
-        shown_values = []
-        for value in (saved_value, run_value):
-            if isinstance(value, bool):
-                value = "on" if value else "off"
-            elif name == "vocab_size" and null_tokenizer and isinstance(value, int):
-                value -= 1  # as this run's --vocab-size counts it (NullTokenizer adds the end of document)
-            shown_values.append("none" if value is None else _saved_text(value))
-        differences.append(f"{flag_of(name)} {shown_values[0]}, this run has {shown_values[1]}")
-    if differences:
-        raise ValueError(f"--load {path} was saved with {'; '.join(differences)}: give the same model flags, or "
-                         "--use-checkpoint-args to take them from the checkpoint")
+    def shape_refusal(self, path: str, differences: List[Tuple[str, Any, Any]]) -> str:
+        said = []
+        for name, saved_value, run_value in differences:
+            shown_values = []
+            for value in (saved_value, run_value):
+                if isinstance(value, bool):
+                    value = "on" if value else "off"
+                elif name == "vocab_size" and self.null_tokenizer and isinstance(value, int):
+                    value -= 1  # as this run's --vocab-size counts it (NullTokenizer adds the end of document)
+                shown_values.append("none" if value is None else _saved_text(value))
+            said.append(f"{flag_of(name)} {shown_values[0]}, this run has {shown_values[1]}")
+        return (f"--load {path} was saved with {'; '.join(said)}: give the same model flags, or "
+                "--use-checkpoint-args to take them from the checkpoint")
 
 
 def _saved_text(value, typed: bool = False) -> str:

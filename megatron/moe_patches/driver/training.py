@@ -28,13 +28,14 @@ from megatron.moe_patches.driver.arguments import (
     check_args,
     counted_in,
     params_dtype,
-    parse_args,
+    parse_and_judge,
     plan_lines,
     same_named,
     transformer_config_kwargs,
 )
 from megatron.moe_patches.driver.data_files import data_blend
 from megatron.moe_patches.driver.parser import PROG
+from megatron.moe_patches.preflight import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -438,12 +439,15 @@ def write_tensorboard(writer, metrics, iteration) -> None:
     writer.flush()
 
 
-def setup(args: argparse.Namespace):
+def setup(args: argparse.Namespace, verdict: Optional[Verdict] = None):
     """Process groups, the patch set, model and optimizer for ``args`` (from ``parse_args``,
     which validated them and took ``--use-checkpoint-args`` before start-up):
-    (unwrapped GPTModel, DDP model, optimizer, LR scheduler)."""
+    (unwrapped GPTModel, DDP model, optimizer, LR scheduler). ``verdict``: the preflight's on
+    these args (``parse_and_judge``), whose config is used where it was judged in full."""
     initialize(args)
-    check_args(args, world_size=dist.get_world_size())  # the world the launcher really made
+    world = dist.get_world_size()
+    if world != args.data_parallel_size * args.tensor_model_parallel_size * args.pipeline_model_parallel_size:
+        check_args(args, world_size=world)  # launched with another world than WORLD_SIZE said: judged again
 
     import megatron.core.transformer.transformer_config as tc_module
     from megatron.core.distributed import finalize_model_grads
@@ -456,7 +460,9 @@ def setup(args: argparse.Namespace):
         from megatron.moe_patches.capabilities import mcore_version
 
         _print_rank0(f"moe_patches: nothing installed; training on megatron-core {mcore_version()}'s own classes")
-    config = tc_module.TransformerConfig(**transformer_config_kwargs(args))
+    config = judged_config(verdict, tc_module.TransformerConfig)
+    if config is None:
+        config = tc_module.TransformerConfig(**transformer_config_kwargs(args))
     gpt, model = build_model(args, config)
     optimizer, scheduler = build_optimizer(args, model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -470,6 +476,16 @@ def setup(args: argparse.Namespace):
     if moe:
         _print_rank0(f"moe_patches: {moe}")
     return gpt, model, optimizer, scheduler
+
+
+def judged_config(verdict: Optional[Verdict], config_class):
+    """The preflight's config where it is the one to train with: of ``config_class`` (what
+    ``apply()`` bound) and judged in full before start-up (no check left to this machine,
+    ``Verdict.deferred``); its build's warnings are said now. Else None: build it here."""
+    if verdict is None or type(verdict.config) is not config_class or verdict.deferred:
+        return None
+    verdict.say_config_warnings()
+    return verdict.config
 
 
 def describe_moe_layers(gpt) -> str:
@@ -543,13 +559,13 @@ def save_checkpoint(args, iteration, gpt, optimizer, scheduler) -> None:
     _print_rank0(f"saved checkpoint {path} at iteration {iteration}")
 
 
-def pretrain(args: argparse.Namespace) -> None:
+def pretrain(args: argparse.Namespace, verdict: Optional[Verdict] = None) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.moe_patches.graphs.layer_graphs import active_captures
 
-    gpt, model, optimizer, scheduler = setup(args)
+    gpt, model, optimizer, scheduler = setup(args, verdict)
     iteration = resume(args, gpt, optimizer, scheduler)
     train_set, valid_set, test_set = build_datasets(args)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -721,16 +737,16 @@ def first_validation_sample(args, iteration: int) -> int:
 def main(argv=None, prog: str = PROG) -> int:
     """pretrain_gpt.py: parse and validate the flags (``--help`` needs no GPU), check for a
     GPU, then train. ``prog``: the command the user ran (its usage and error lines name it)."""
-    args = parse_args(argv, prog=prog)
+    args, verdict = parse_and_judge(argv, prog=prog)
     if args.print_plan:
-        for line in plan_lines(args):
+        for line in plan_lines(verdict):
             print(line)
         return 0
     require_gpu(prog)
     if int(os.environ.get("RANK", "0")) == 0:  # the plan's decisions first, as --print-plan prints them
-        for line in plan_lines(args):
+        for line in plan_lines(verdict):
             print(f"moe_patches plan: {line}", flush=True)
-    pretrain(args)
+    pretrain(args, verdict)
     return 0
 
 
