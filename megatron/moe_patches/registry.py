@@ -244,7 +244,8 @@ SERIES: Tuple[Feature, ...] = (
         native=cap.lands_after_tested_range(
             lambda: cap.mcore_has_fields("moe_single_grouped_weight", "moe_single_grouped_bias")),
         page="patches/F5-single-grouped-params.md",
-        test="tests/unit/test_single_grouped_params.py, tests/gpu/test_device_splits.py, "
+        test="tests/unit/test_single_grouped_params.py, tests/unit/test_grouped_layout_read_once.py, "
+        "tests/gpu/test_device_splits.py, "
         "tests/gpu/test_grouped_checkpoint_round_trips.py",
         module="megatron.moe_patches.experts.grouped_params",
         requires=("C0", "F3", "F6"),

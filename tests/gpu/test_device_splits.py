@@ -112,8 +112,6 @@ def test_state_dicts_load_both_ways(single_gpu):
 
 @pytest.mark.quick
 def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_gpu):
-    from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
-
     kwargs = small_moe_kwargs(16, 2, "swiglu")
     revert()
     stock_layer, stock = run(tc_module.TransformerConfig(**kwargs), 800)
@@ -122,7 +120,7 @@ def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_
         config = tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True, moe_single_grouped_weight=True)
         layer, patched = run(config, 800)
         fc1 = layer.experts.linear_fc1
-        assert is_grouped(fc1) and tuple(fc1.weight.shape) == (16, 384, 256)
+        assert fc1.grouped_names == {"weight"} and tuple(fc1.weight.shape) == (16, 384, 256)
         assert "weight0" not in dict(fc1.named_parameters())
         # Its checkpoints carry the stock per-expert keys and values ...
         assert set(layer.state_dict()) == set(stock_layer.state_dict())
@@ -146,6 +144,40 @@ def test_single_grouped_weight_matches_stock_and_keeps_stock_checkpoints(single_
         exact[fc] = all(torch.equal(stock[f"grad:experts.{fc}.weight{i}"], grouped_grad[i]) for i in range(16))
     print(json.dumps({"single_grouped_weight_bitwise": exact}))
     assert all(exact.values()), exact
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("grouped", [("weight",), ("bias",), ("weight", "bias")], ids="+".join)
+def test_single_grouped_params_are_born_grouped_with_stock_values_and_flags(single_gpu, grouped):
+    """F5 at construction, with TE: TE's GroupedLinear announces each expert's weight{i}/bias{i}
+    through register_parameter and initialises them in reset_parameters; FCs born grouped never
+    register them, and hold, for the same seed, bitwise the stock per-expert values stacked (the
+    same draws of megatron-core's expert RNG tracker) with the same attributes."""
+    kwargs = dict(small_moe_kwargs(16, 2, "swiglu"), add_bias_linear=True)
+    revert()
+    stock = build_moe_layer(tc_module.TransformerConfig(**kwargs), seed=11)
+    try:
+        apply()
+        asked = {f"moe_single_grouped_{name}": True for name in grouped}
+        layer = build_moe_layer(tc_module.TransformerConfig(**kwargs, moe_device_tokens_per_expert=True, **asked),
+                                seed=11)
+    finally:
+        revert()
+    assert layer.experts.backend.name == "grouped_mm"
+    for fc in ("linear_fc1", "linear_fc2"):
+        born, theirs = getattr(layer.experts, fc), getattr(stock.experts, fc)
+        assert born.grouped_names == set(grouped)
+        names = dict(born.named_parameters())
+        for name in ("weight", "bias"):
+            per_expert = [theirs.get_parameter(f"{name}{i}") for i in range(16)]
+            if name in grouped:
+                assert not any(f"{name}{i}" in names for i in range(16))
+                assert torch.equal(names[name], torch.stack(per_expert)), (fc, name)
+                assert vars(names[name]) == vars(per_expert[0]), (fc, name)
+            else:
+                assert all(torch.equal(names[f"{name}{i}"], p) for i, p in enumerate(per_expert)), (fc, name)
+                assert vars(names[f"{name}0"]) == vars(per_expert[0]), (fc, name)
+        assert torch.equal(theirs.get_parameter("weight3"), born.state_dict()["weight3"])  # stock keys, values
 
 
 def test_single_grouped_bias_holds_the_biases_and_keeps_stock_checkpoints(single_gpu):

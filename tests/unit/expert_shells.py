@@ -3,6 +3,8 @@ read of TE's GroupedLinear (``weight{i}`` / ``bias{i}``, ``num_gemms``, ``use_bi
 megatron-core's ``is_first_microbatch``), built from the classes the backend's
 ``expert_submodules`` returns, as megatron-core's TEGroupedMLP builds them."""
 
+import contextlib
+
 import torch
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
@@ -12,15 +14,45 @@ from megatron.moe_patches.plan import plan_for
 
 
 class ShellGroupedLinear(torch.nn.Module):
-    def __init__(self, num_gemms, out_features, in_features, bias=False, generator=None, dtype=torch.bfloat16):
+    """TE's GroupedLinear as far as the backends and F5 read it: ``weight{i}`` / ``bias{i}``
+    announced through ``register_parameter`` with their init_fn (and RNG tracker), then
+    initialised by ``reset_parameters`` in that order, each under a fork of the tracker's
+    ``rng_tracker_name`` state, as TE's constructor does. The values: each expert's weight
+    ``randn * in**-0.5`` and bias ``randn``, drawn from ``generator`` in turn; or, given
+    ``init_method`` (megatron-core's, as TE gets it), the weights from it and zero biases."""
+
+    def __init__(self, num_gemms, out_features, in_features, bias=False, generator=None, dtype=torch.bfloat16,
+                 init_method=None, get_rng_state_tracker=None, rng_tracker_name=None):
         super().__init__()
         self.num_gemms, self.use_bias, self.is_first_microbatch = num_gemms, bias, True
+        self.param_init_meta, self.rng_tracker_name = {}, rng_tracker_name
         scale = in_features**-0.5
+        weight_init, bias_init = init_method, torch.nn.init.zeros_
+        if init_method is None:
+            weight_init = lambda w: w.copy_(torch.randn(w.shape, generator=generator) * scale)  # noqa: E731
+            bias_init = lambda b: b.copy_(torch.randn(b.shape, generator=generator))  # noqa: E731
+
         for i in range(num_gemms):
-            weight = torch.randn(out_features, in_features, generator=generator) * scale
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(weight.to(dtype)))
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype)),
+                                    init_fn=weight_init, get_rng_state_tracker=get_rng_state_tracker)
             if bias:
-                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.randn(out_features, generator=generator).to(dtype)))
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.empty(out_features, dtype=dtype)),
+                                        init_fn=bias_init, get_rng_state_tracker=get_rng_state_tracker)
+        self.reset_parameters()
+
+    def register_parameter(self, name, param, **init_meta):
+        super().register_parameter(name, param)
+        self.param_init_meta[name] = init_meta
+
+    def reset_parameters(self, defer_init=False):
+        if defer_init:
+            return
+        with torch.no_grad():
+            for name, param in self.named_parameters(recurse=False):
+                init_meta = self.param_init_meta[name]
+                tracker = init_meta.get("get_rng_state_tracker")
+                with tracker().fork(self.rng_tracker_name) if tracker else contextlib.nullcontext():
+                    init_meta["init_fn"](param)
 
 
 def experts_shell(backend_class, config, experts, fc1_shape, fc2_shape, bias=False, seed=0, dtype=torch.bfloat16,

@@ -186,7 +186,7 @@ class _Target:
             p.grad_added_to_main_grad = False
         self.start = [p.main_grad.clone() for p in params]
         self.params = params
-        self.target = MainGradTarget(params, triton=False)
+        self.target = MainGradTarget(params, grouped=grouped, triton=False)
 
     def added_EOI(self):
         return torch.stack([g for p, s in zip(self.params, self.start)

@@ -10,6 +10,7 @@ from megatron.moe_patches import capabilities as cap
 from megatron.moe_patches import plan as moe_plan
 from megatron.moe_patches.experts import fp8_grouped_mm as fp8
 from megatron.moe_patches.experts.padding import NOBODY
+from megatron.moe_patches.experts.grouped_mm import GroupedGemmLinear
 
 from expert_shells import ShellGroupedLinear, experts_shell
 from expert_configs import fp8_config
@@ -91,9 +92,13 @@ def test_scales_from_amax():
     assert torch.isfinite(scale).all() and torch.equal(scale_inv, torch.reciprocal(scale))
 
 
+class GroupedGemmShell(GroupedGemmLinear, ShellGroupedLinear):
+    """FC1's and FC2's class under the FP8 backend (``linear_step`` over TE's), per expert."""
+
+
 def expert_linear(experts=3, out_features=4, in_features=8):
     """A TE grouped linear's per-expert weights (float32 here), past its first micro-batch."""
-    linear = ShellGroupedLinear(experts, out_features, in_features, dtype=torch.float32)
+    linear = GroupedGemmShell(experts, out_features, in_features, dtype=torch.float32)
     linear.is_first_microbatch = False
     return linear
 

@@ -12,7 +12,9 @@ Layouts of one expert FC with E local experts: *indexed* (stock TE GroupedLinear
   are replaced by subclasses that run it as a ``load_state_dict`` pre-hook, so stock
   (indexed) experts load grouped checkpoints.
 - The grouped layout itself (``moe_single_grouped_weight``) is F5:
-  ``experts.grouped_params.make_grouped`` installs ``load_pre_hook`` on grouped modules.
+  ``experts.grouped_params.GroupedAtBirth`` installs ``load_pre_hook`` on grouped modules.
+  A module's layout is its ``grouped_names`` (the names it holds grouped; empty: per expert),
+  fixed at construction: the hook reads it and never looks for the parameters.
 
 Upstream: NVIDIA/Megatron-LM#3890, #4636. The optimizers' map for grouped parameters is
 F7 (checkpoint.optimizer_state); torch_dist loads check coverage in checkpointing.
@@ -23,15 +25,6 @@ from typing import Collection, Dict, List, Union
 import torch
 
 PARAM_NAMES = ("weight", "bias")
-
-
-def is_grouped(module, name: str = "weight") -> bool:
-    """Whether ``module`` holds ``name`` (weight or bias) as one grouped parameter."""
-    return name in module._parameters and f"{name}0" not in module._parameters
-
-
-def grouped_names(module) -> set:
-    return {name for name in PARAM_NAMES if is_grouped(module, name)}
 
 
 class GroupedKeyError(KeyError):
@@ -85,8 +78,9 @@ def normalize_grouped_keys(
 
 
 def load_pre_hook(module, state_dict, prefix, *args):
-    """``load_state_dict`` pre-hook: bring the state dict into the module's own layout."""
-    normalize_grouped_keys(state_dict, prefix, module.num_gemms, grouped_names(module))
+    """``load_state_dict`` pre-hook: bring the state dict into the module's own layout
+    (``module.grouped_names``)."""
+    normalize_grouped_keys(state_dict, prefix, module.num_gemms, module.grouped_names)
 
 
 def with_key_conversion(owner, cls):
@@ -100,5 +94,6 @@ def with_key_conversion(owner, cls):
         self._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
 
     name = f"{cls.__name__}WithKeyConversion"  # its own name in module reprs, logs and tracebacks
-    return type(name, (cls,), {"__init__": __init__, "__module__": __name__, "__qualname__": name,
+    return type(name, (cls,), {"__init__": __init__, "grouped_names": frozenset(),  # per expert
+                               "__module__": __name__, "__qualname__": name,
                                "__doc__": f"{cls.__name__} that loads grouped or indexed expert keys (F6)."})

@@ -33,6 +33,7 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron.moe_patches import capabilities as cap
+from megatron.moe_patches.experts.grouped_params import grouped_at_birth, grouped_names_for
 from megatron.moe_patches.fields import log_once, patch_option
 
 logger = logging.getLogger(__name__)
@@ -134,28 +135,36 @@ class ExpertBackend:
     stock = TEGroupedMLP
 
     @classmethod
+    def linear_steps(cls, config) -> Tuple[type, ...]:
+        """The class steps FC1's and FC2's classes gain, first in their MRO: the single grouped
+        parameters the config asks for, where this backend holds them (F5: made at construction),
+        then ``linear_step``."""
+        grouped = grouped_names_for(config) if cls.holds_single_grouped_params else frozenset()
+        return tuple(s for s in (grouped_at_birth(grouped) if grouped else None, cls.linear_step) if s is not None)
+
+    @classmethod
     def expert_submodules(cls, config, submodules, plan):
         """The experts' ``MLPSubmodules`` this backend builds on: called before megatron-core's
         TEGroupedMLP builds linear_fc1/linear_fc2 from them, with the config's plan
-        (``plan.plan_for``). FC1's and FC2's classes gain ``linear_step`` (subclasses of the
+        (``plan.plan_for``). FC1's and FC2's classes gain ``linear_steps`` (subclasses of the
         spec's classes, built by the stock constructor)."""
-        if cls.linear_step is None:
+        steps = cls.linear_steps(config)
+        if not steps:
             return submodules
-        label = cls.__name__.removesuffix("Backend")
-        fc1, fc2 = (_with_spec_class(s, _subclass(f"{_spec_class(s).__name__}For{label}", cls.linear_step,
-                                                  _spec_class(s)))
+        label = "With".join([cls.__name__.removesuffix("Backend"), *(s.__name__ for s in steps[:-1])])
+        fc1, fc2 = (_with_spec_class(s, _subclass(f"{_spec_class(s).__name__}For{label}", *steps, _spec_class(s)))
                     for s in (submodules.linear_fc1, submodules.linear_fc2))
         return dataclasses.replace(submodules, linear_fc1=fc1, linear_fc2=fc2)
 
     def __init__(self, experts):
-        """Prepare ``experts`` for this backend (parameter layouts); called once. FCs built
-        without ``linear_step`` (not from the spec ``expert_submodules`` returned) are refused:
-        their forward is TE's, not the one this backend calls."""
-        step = self.linear_step
-        for linear in (experts.linear_fc1, experts.linear_fc2):
-            if step is not None and not isinstance(linear, step):
-                raise TypeError(f"the {self.name} experts' FCs must be built from the spec its expert_submodules "
-                                f"returns (a {step.__name__}); got {type(linear).__name__}")
+        """Prepare ``experts`` for this backend; called once. FCs built without ``linear_steps``
+        (not from the spec ``expert_submodules`` returned) are refused: their forward is TE's,
+        not the one this backend calls, or their parameters are not in the layout asked for."""
+        for step in self.linear_steps(experts.config):
+            for linear in (experts.linear_fc1, experts.linear_fc2):
+                if not isinstance(linear, step):
+                    raise TypeError(f"the {self.name} experts' FCs must be built from the spec its "
+                                    f"expert_submodules returns (a {step.__name__}); got {type(linear).__name__}")
 
     def forward(self, experts, x_TH, tokens_per_expert_E, probs_T):
         return self.stock.forward(experts, x_TH, host_tokens_per_expert(tokens_per_expert_E), probs_T)

@@ -14,7 +14,8 @@ With ``moe_device_tokens_per_expert`` (or ``NVTE_USE_GROUPED_GEMM_TRITON=1``):
   prob). bf16 only. It reads the experts' existing ``linear_fc{1,2}.weight{i}`` / ``bias{i}``
   parameters, so state dicts stay those of stock TE experts, and stacks them into one
   [E, out, in] copy every forward (one warning says so); with ``moe_single_grouped_weight`` /
-  ``_bias`` it holds one [E, ...] parameter per FC instead and reads it without a copy (F5).
+  ``_bias`` FC1 and FC2 are built holding one [E, ...] parameter each instead (F5) and the
+  backend reads it without a copy.
   Elsewhere the TE backend copies the counts to the host once.
 
 The allgather dispatcher keeps its host counts. Upstream: ROCm/Megatron-LM (seed 004,
@@ -30,9 +31,7 @@ from typing import Optional
 import torch
 
 from megatron.moe_patches.experts.backend import BF16, ExpertBackend
-from megatron.moe_patches.fields import log_once, patch_option
-from megatron.moe_patches.checkpoint.grouped_keys import is_grouped
-from megatron.moe_patches.experts.grouped_params import make_grouped
+from megatron.moe_patches.fields import log_once
 from megatron.moe_patches.kernels.main_grad_accumulation import MainGradTable, grouped_wgrad_into_main_grad
 from megatron.moe_patches.kernels.weighted_glu import ExpertAmax, GLUSpec, glu_spec, weighted_glu
 
@@ -88,16 +87,16 @@ class RowGroups:
 
 def grouped_param(linear, name: str = "weight") -> torch.Tensor:
     """All experts' ``name`` (weight or bias) of ``linear`` as one differentiable [E, ...] tensor:
-    the grouped parameter itself (moe_single_grouped_weight/_bias), else a stacked copy of the
-    per-expert parameters whose gradient flows back to each of them."""
-    if is_grouped(linear, name):
+    the grouped parameter itself (moe_single_grouped_weight/_bias: the FC's ``grouped_names``),
+    else a stacked copy of the per-expert parameters whose gradient flows back to each of them."""
+    if name in linear.grouped_names:
         return getattr(linear, name)
     return torch.stack([getattr(linear, f"{name}{i}") for i in range(linear.num_gemms)])
 
 
 def weight_params(linear):
     """The parameters an FC's [E, out, in] weight is assembled from."""
-    if is_grouped(linear, "weight"):
+    if "weight" in linear.grouped_names:
         return [linear.weight]
     return [getattr(linear, f"weight{i}") for i in range(linear.num_gemms)]
 
@@ -108,6 +107,8 @@ class GroupedGemmLinear:
     GEMM over all local experts. The backend calls the module, so torch runs its forward
     pre-hooks before the parameters are read: Megatron's DDP waits there for their all-gather
     under --overlap-param-gather."""
+
+    grouped_names = frozenset()  # per expert; GroupedAtBirth's layouts override it (F5)
 
     def forward(self, x_TI, gemm):
         """(gemm(x_TI, w_EOI), b_EO or None): ``gemm`` is the backend's grouped GEMM, for this
@@ -123,12 +124,18 @@ def bf16_grouped_gemm(groups: RowGroups):
 class MainGradTarget:
     """Where one FC's weight gradient goes under gradient_accumulation_fusion: the fp32
     ``main_grad`` that Megatron's DDP gives each of its weight parameters (per expert, or one
-    [E, out, in] grouped parameter). It keeps the real parameters: under a CUDA-graph capture the
-    module computes with aliases of them, which carry no main_grad."""
+    [E, out, in] grouped parameter: ``grouped``). It keeps the real parameters: under a CUDA-graph
+    capture the module computes with aliases of them, which carry no main_grad."""
 
-    def __init__(self, params, triton: bool):
+    def __init__(self, params, grouped: bool, triton: bool):
         self.params = list(params)
+        self.grouped = grouped
         self.table = MainGradTable(triton)
+
+    @classmethod
+    def of(cls, linear, triton: bool) -> "MainGradTarget":
+        """The target of FC ``linear``'s weights, in the layout it was built with."""
+        return cls(weight_params(linear), "weight" in linear.grouped_names, triton)
 
     def main_grads_E(self):
         grads = []
@@ -139,17 +146,13 @@ class MainGradTarget:
                     "gradient_accumulation_fusion adds the experts' weight gradients into main_grad, which "
                     "Megatron's DistributedDataParallel gives each parameter; this model has none: wrap it in "
                     "DistributedDataParallel or turn the fusion off (--no-gradient-accumulation-fusion).")
-            grads.extend(main_grad.unbind(0) if main_grad.dim() == 3 else (main_grad,))
+            grads.extend(main_grad.unbind(0) if self.grouped else (main_grad,))
         return grads
 
     def grouped_main_grad(self):
         """The one fp32 [E, out, in] main_grad where the FC holds a single grouped weight (a GEMM
         can add into it in place), else None."""
-        if len(self.params) == 1:
-            main_grad = getattr(self.params[0], "main_grad", None)
-            if main_grad is not None and main_grad.dim() == 3:
-                return main_grad
-        return None
+        return getattr(self.params[0], "main_grad", None) if self.grouped else None
 
     def accumulate(self, x_TI, dy_TO, offsets_E) -> None:
         """main_grad += the bf16 rows' weight gradient, in one GEMM (F13's kernel)."""
@@ -295,23 +298,16 @@ class GroupedMMBackend(ExpertBackend):
         return None
 
     def __init__(self, experts):
-        super().__init__(experts)
+        super().__init__(experts)  # FC1 and FC2 come in the layout the config asks for (F5)
         config = experts.config
-        held = ("weight", "bias") if config.add_bias_linear else ("weight",)
-        grouped = {
-            "weight": patch_option(config, "moe_single_grouped_weight"),
-            "bias": patch_option(config, "moe_single_grouped_bias"),
-        }
-        for linear in (experts.linear_fc1, experts.linear_fc2):
-            make_grouped(linear, experts.num_local_experts, [n for n in held if grouped[n]])
-        if not grouped["weight"]:
+        if "weight" not in experts.linear_fc1.grouped_names:
             log_once(logger, logging.WARNING, STACKED_WEIGHTS)
         self._glu = glu_spec(config)
         self._glu_triton = experts.triton_kernels  # the plan's: the GLU's Triton kernels or megatron-core's
         # F13: under gradient_accumulation_fusion the wgrad GEMM adds into main_grad
         self.main_grad_targets = None
         if experts.wgrad_into_main_grad:
-            self.main_grad_targets = {fc: MainGradTarget(weight_params(fc), experts.triton_kernels)
+            self.main_grad_targets = {fc: MainGradTarget.of(fc, experts.triton_kernels)
                                       for fc in (experts.linear_fc1, experts.linear_fc2)}
 
     def gemm(self, groups: RowGroups):
