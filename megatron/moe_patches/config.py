@@ -215,6 +215,9 @@ def _resolve_env_aliases(config) -> None:
 class PatchedTransformerConfig(TransformerConfig, MoEPatchFields):
     """megatron-core's TransformerConfig plus the MoE patch fields, validated at construction."""
 
+    # the patch set's own rules, which the preflight also runs on kwargs before megatron-core's checks
+    patch_rules = staticmethod(validate_moe_patch_config)
+
     def __post_init__(self):
         # megatron-core asserts that moe-scope graphs are drop-and-pad only; the patch
         # validation below checks dropless ones instead (the plan's graph_blocker), so megatron-core's

@@ -146,9 +146,7 @@ def judge(request: PreflightRequest) -> Verdict:
 
 
 def _holds_patch_rules(config_class: type) -> bool:
-    from megatron.moe_patches.config import PatchedTransformerConfig
-
-    return issubclass(config_class, PatchedTransformerConfig)
+    return getattr(config_class, "patch_rules", None) is not None  # PatchedTransformerConfig's
 
 
 def _left_to_start_up(request: PreflightRequest, kwargs: dict, patched: bool) -> Tuple[List[str], List[str]]:
@@ -193,10 +191,8 @@ def _build_config(request: PreflightRequest):
     for name, value in late.items():
         setattr(config, name, value)
     if late and patched:  # the patch set's checks need no TE: run them with the real values
-        from megatron.moe_patches.config import validate_moe_patch_config
-
         try:
-            validate_moe_patch_config(config)
+            request.config_class.patch_rules(config)
         except ValueError as err:
             return None, deferred, caught, request.words.config_error(err)
     for name, value in left_out.items():  # as the run will hold them
@@ -204,12 +200,9 @@ def _build_config(request: PreflightRequest):
     return config, deferred, caught, None
 
 
-def patch_refusal(kwargs: dict, config_class: Optional[type] = None) -> Optional[ValueError]:
-    """The patch set's own refusal of these config kwargs, judged without megatron-core's
-    checks (whose bare asserts would otherwise speak first), or None."""
-    from megatron.moe_patches.config import PatchedTransformerConfig, validate_moe_patch_config
-
-    config_class = config_class or PatchedTransformerConfig
+def patch_refusal(kwargs: dict, config_class: type) -> Optional[ValueError]:
+    """The patch set's own refusal (``config_class.patch_rules``) of these config kwargs,
+    judged without megatron-core's checks (whose bare asserts would otherwise speak first), or None."""
     config = object.__new__(config_class)  # the fields, none of the checks
     for field in dataclasses.fields(config_class):
         if field.name in kwargs:
@@ -226,7 +219,7 @@ def patch_refusal(kwargs: dict, config_class: Optional[type] = None) -> Optional
     if config.num_moe_experts is not None and config.moe_ffn_hidden_size is None:
         config.moe_ffn_hidden_size = config.ffn_hidden_size
     try:
-        validate_moe_patch_config(config)
+        config_class.patch_rules(config)
     except ValueError as err:
         return err
     except Exception:  # a value the checks cannot read before megatron-core's normalisation
