@@ -186,13 +186,17 @@ def triton_available() -> bool:
 @functools.lru_cache(maxsize=None)
 def deep_gemm_grouped_fp8() -> bool:
     """Whether DeepGEMM's FP8 grouped GEMM over device-side expert ends
-    (``m_grouped_fp8_gemm_nt_contiguous`` with ``use_psum_layout``) is importable."""
+    (``m_grouped_fp8_gemm_nt_contiguous`` with ``use_psum_layout``) is importable: DeepGEMM
+    built from source binds it through pybind11 (the parameter is in its docstring), PyPI's
+    ``sgl-deep-gemm`` wheel wraps its torch op in a Python function (in its signature)."""
     try:
         deep_gemm = importlib.import_module("deep_gemm")
     except Exception:  # noqa: BLE001 - a broken install counts as none
         return False
     gemm = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None)
-    return gemm is not None and "use_psum_layout" in (getattr(gemm, "__doc__", None) or "")
+    if gemm is None:
+        return False
+    return accepts_parameter(gemm, "use_psum_layout") or "use_psum_layout" in (getattr(gemm, "__doc__", None) or "")
 
 
 class HybridEPOptions(NamedTuple):

@@ -75,6 +75,37 @@ def test_whole_layers_with_overlapped_gradient_reduction_equal_eager(loop):
     check_graphed("whole-layer-te", eager, graphed, output, loop)
 
 
+FP8_WHOLE_LAYERS = {
+    "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+    "blockwise-bf16-wgrad": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--no-fp8-wgrad"],
+    "tensorwise": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+}
+
+
+_fp8_eager = {}
+
+
+@pytest.mark.parametrize("scope", ["whole-layer-te", "full-iteration"])
+@pytest.mark.parametrize("precision", list(FP8_WHOLE_LAYERS))
+def test_fp8_graphs_equal_eager_and_track_bf16(precision, scope):
+    """FP8 in whole-layer and full-iteration graphs, in Megatron-LM's loop with its default
+    gradient-accumulation fusion: TE's attention linears and the FP8 experts quantize their
+    weights inside the graph at each step's first micro-batch, the FP8 experts add their weight
+    gradients into main_grad (F13, not DDP's hook). Graphed losses equal the eager run's at
+    every iteration (stale FP8 weights would part them after the first optimizer step) and
+    stay within 5 % of bf16's."""
+    fp8 = FP8_WHOLE_LAYERS[precision]
+    if precision not in _fp8_eager:
+        _fp8_eager[precision], output = run("megatron-lm", *FAST, *NO_NAN_CHECK, *fp8)
+        assert "run the TE backend" not in output and "(not fused)" not in output, output[-3000:]
+    eager = _fp8_eager[precision]
+    graphed, output = run("megatron-lm", *FAST, *NO_NAN_CHECK, *fp8, *SCOPES[scope])
+    check_graphed(scope, eager, graphed, output, "megatron-lm")
+    bf16 = eager_losses("megatron-lm")
+    for step in bf16:
+        assert float(eager[step]) == pytest.approx(float(bf16[step]), rel=0.05)
+
+
 def check_graphed(scope, eager, graphed, output, loop):
     print(f"{loop} {scope}: eager {eager}\ngraphed {graphed}\ncaptured {whole_layers_captured(output)}")
     if scope == "full-iteration":

@@ -168,8 +168,18 @@ def _gemm(doc):
     return types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=gemm)
 
 
+def _wheel_wrapper(a, b, d, grouped_layout, recipe=None, use_psum_layout=False):
+    """How PyPI's sgl-deep-gemm exposes the GEMM: a Python function without a docstring."""
+
+
+def _old_wrapper(a, b, d, m_indices):
+    pass
+
+
 @pytest.mark.parametrize("module, found", [
     (_gemm("m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d, grouped_layout, ..., use_psum_layout: bool = False)"), True),
+    (types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=_wheel_wrapper), True),
+    (types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=_old_wrapper), False),
     (_gemm("m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices)"), False),  # no device-side ends
     (types.SimpleNamespace(), False),
     (None, False),  # not installed

@@ -121,6 +121,7 @@ def test_a_replay_lets_the_backend_refresh_its_weight_copies_first(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: calls.append("replay")))
     backend = types.SimpleNamespace(refresh_weight_caches=lambda: calls.append("refresh"))
     layer = torch.nn.Module()
+    layer.config = types.SimpleNamespace(fp8=None)
     layer.experts = torch.nn.Module()
     layer.experts.backend = backend
     captured = _Captured(layer, torch.zeros(2, 3), {"rotary_pos_emb": torch.zeros(4)})
@@ -130,6 +131,41 @@ def test_a_replay_lets_the_backend_refresh_its_weight_copies_first(monkeypatch):
     assert calls == ["refresh", "replay"] and torch.equal(captured.static_x, torch.full((2, 3), 5.0))
     assert torch.equal(captured.static_kwargs["rotary_pos_emb"], torch.arange(4.0))
     assert torch.equal(out, torch.ones(2, 3))
+
+
+def _layer_with_te_linears(fp8):
+    """A whole layer's stand-in: an attention linear and the FP8 experts' own linear, both with
+    megatron-core's TE-layer attribute (False: quantize at a step's first micro-batch only)."""
+    layer = torch.nn.Module()
+    layer.config = types.SimpleNamespace(fp8=fp8)
+    layer.linear_qkv = torch.nn.Linear(2, 2)
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = torch.nn.Module()
+    layer.mlp.experts.backend = types.SimpleNamespace(refresh_weight_caches=lambda: None)
+    layer.mlp.experts.linear_fc1 = torch.nn.Linear(2, 2)
+    layer.norm = torch.nn.LayerNorm(2)  # no such attribute: not a TE linear
+    for linear in (layer.linear_qkv, layer.mlp.experts.linear_fc1):
+        linear.disable_parameter_transpose_cache = False
+    return layer
+
+
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+def test_a_captured_fp8_layer_quantizes_te_weights_in_every_replay_and_uninstall_restores(monkeypatch, fp8):
+    """Under FP8 the TE linears of a captured layer quantize their weights at every call (inside
+    the graph: no stale step's copy replayed), the experts keep their own refreshed cache, and
+    uninstall gives the linears their caching back; without FP8 nothing changes."""
+    from megatron.moe_patches.graphs.layer_graphs import LayerGraphs, _Captured
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
+    layer = _layer_with_te_linears(fp8)
+    captured = _Captured(layer, torch.zeros(2, 3), {})
+    assert layer.linear_qkv.disable_parameter_transpose_cache is bool(fp8)
+    assert layer.mlp.experts.linear_fc1.disable_parameter_transpose_cache is False
+    assert captured.te_fp8_linears == ([layer.linear_qkv] if fp8 else [])
+    graphs = LayerGraphs.__new__(LayerGraphs)  # the capture itself needs CUDA
+    graphs.layers, graphs.captured = [layer], [captured]
+    graphs.uninstall()
+    assert layer.linear_qkv.disable_parameter_transpose_cache is False
 
 
 def test_scope_names():
@@ -532,6 +568,7 @@ def test_aliases_carry_what_fused_wgrad_modules_read_off_their_weights(monkeypat
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
     layer = torch.nn.Linear(4, 4)
+    layer.config = types.SimpleNamespace(fp8=None)
     layer.weight.main_grad = torch.zeros(4, 4)
     layer.weight.grad_added_to_main_grad = False
     layer.weight.zero_out_wgrad = True
@@ -581,15 +618,16 @@ def full_iteration_blocker(c):
     return moe_plan.plan_for(c).full_iteration_blocker
 
 
-def test_full_iteration_refuses_experts_that_refresh_fp8_weights_from_the_host(graphable):
-    """A replayed iteration skips the host's refresh of the FP8 grouped_mm experts' weight copies:
-    they would train on stale FP8 weights, silently."""
+def test_full_iteration_holds_the_fp8_experts_but_not_host_updated_fp8_scales(graphable):
+    """The FP8 grouped_mm experts quantize their weights at a step's first micro-batch, inside
+    the captured iteration (every replay refreshes them); delayed scaling's amax history is the
+    host's, which a replay would not update."""
     c = graphable(**FULL_ITERATION, **FP8)
     assert moe_plan.plan_for(c).backend.name == "fp8_grouped_mm"
-    assert full_iteration_blocker(c) == (
-        "the fp8_grouped_mm experts refresh their FP8 weight copies from the host after each optimizer step, which "
-        "a replayed iteration would skip: use --cuda-graph-scope moe")
-    assert full_iteration_blocker(graphable(**FULL_ITERATION)) is None  # bf16 grouped_mm: nothing to refresh
+    assert full_iteration_blocker(c) is None
+    c = graphable(**FULL_ITERATION, **dict(FP8, fp8_recipe="delayed"))
+    assert full_iteration_blocker(c).startswith("the te expert backend takes host token counts (")
+    assert full_iteration_blocker(graphable(**FULL_ITERATION)) is None
 
 
 def test_full_iteration_refuses_experts_that_take_host_token_counts(graphable):

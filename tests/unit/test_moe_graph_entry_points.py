@@ -224,16 +224,20 @@ def test_the_whole_layer_scopes_are_accepted_and_planned(scope):
     assert plan_for(c).graph_blocker is None
 
 
-def test_fp8_in_the_whole_layer_is_named():
+@pytest.mark.parametrize("recipe, named", [
+    ("blockwise", None), ("tensorwise", None),  # scales computed on the device: graph-safe
+    ("delayed", "--fp8-recipe delayed"), ("mxfp8", "--fp8-recipe mxfp8"),
+])
+def test_fp8_in_the_whole_layer_takes_the_device_scaled_recipes(recipe, named):
     """(An FP8 config needs Transformer Engine to be built: the rule is asked directly.)"""
     from megatron.moe_patches.plan.graphs import _whole_layer_blocker
 
-    fp8 = types.SimpleNamespace(fp8="e4m3", recompute_granularity=None, context_parallel_size=1,
+    fp8 = types.SimpleNamespace(fp8="e4m3", fp8_recipe=recipe, recompute_granularity=None, context_parallel_size=1,
                                 cuda_graph_impl="local", cuda_graph_warmup_steps=1, attention_dropout=0.0,
                                 hidden_dropout=0.0)
-    assert "FP8 (or FP4) in the attention" in _whole_layer_blocker(fp8)
-    assert "FP8 (or FP4) in the attention" in _whole_layer_blocker(types.SimpleNamespace(**{**vars(fp8), "fp8": None,
-                                                                                          "fp4": "e2m1"}))
+    reason = _whole_layer_blocker(fp8)
+    assert reason is None if named is None else named in reason
+    assert "FP4" in _whole_layer_blocker(types.SimpleNamespace(**{**vars(fp8), "fp8": None, "fp4": "e2m1"}))
     assert _whole_layer_blocker(types.SimpleNamespace(**{**vars(fp8), "fp8": None})) is None
 
 

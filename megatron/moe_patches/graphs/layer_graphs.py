@@ -50,9 +50,11 @@ Rules of use (what a training loop with PP = 1 does): every call has the sample'
 each layer's forward and backward alternate as captured (forward of all layers, then
 their backwards in reverse order, per micro-batch); the output and input gradient are
 the graph's static buffers, valid until that layer's next replay. Under ``no_grad`` or
-with another shape the layer runs eagerly. FP8: the graphs read the weights' cached FP8
-copies; before a replay the backend refreshes them in place when an optimizer has stepped
-(outside the graph: once per step, not per micro-batch).
+with another shape the layer runs eagerly. FP8: the experts' graphs read the weights' cached
+FP8 copies; before a replay the backend refreshes them in place when an optimizer has stepped
+(outside the graph: once per step, not per micro-batch). A whole layer's TE linears (the
+attention's) quantize their weights inside the graph at every replay (current and blockwise
+scaling compute their scales on the device; the plan refuses recipes that keep host state).
 """
 
 import contextlib
@@ -102,6 +104,9 @@ class _Captured:
         # copies (quantized once per optimizer step, outside the graph).
         self.refreshes = [m.backend.refresh_weight_caches for m in layer.modules()
                           if hasattr(getattr(m, "backend", None), "refresh_weight_caches")]
+        # FP8 in Transformer Engine's own linears (the attention's, a whole layer's): quantized in
+        # the graph at every replay, from the weights it reads (see _quantize_te_weights_each_call).
+        self.te_fp8_linears = _quantize_te_weights_each_call(layer) if layer.config.fp8 else []
 
     def before_replay(self, x_TBH, kwargs):
         for refresh in self.refreshes:
@@ -144,6 +149,22 @@ class _Captured:
         self.into_main_grad = tuple(p for p, a in zip(self.params, self.aliases)
                                     if getattr(p, "grad_added_to_main_grad", False)
                                     or getattr(a, "grad_added_to_main_grad", False))
+
+
+def _quantize_te_weights_each_call(layer) -> List[torch.nn.Module]:
+    """megatron-core's TE linears quantize their FP8 weights at a step's first micro-batch only
+    (``is_first_microbatch``, a host flag) and reuse the copy after: a graph captured on a later
+    micro-batch would replay that step's copy for ever. Their ``disable_parameter_transpose_cache``
+    makes them quantize at every call, so the graph quantizes the current weights at each replay
+    (the same values within a step: graphed equals eager). The FP8 experts are left out: their
+    backend refreshes its copies before a replay. Returns the linears switched, for ``uninstall``."""
+    experts = {id(m) for owner in layer.modules()
+               if hasattr(getattr(owner, "backend", None), "refresh_weight_caches") for m in owner.modules()}
+    switched = [m for m in layer.modules()
+                if id(m) not in experts and getattr(m, "disable_parameter_transpose_cache", None) is False]
+    for linear in switched:
+        linear.disable_parameter_transpose_cache = True
+    return switched
 
 
 class _Replay(torch.autograd.Function):
@@ -240,6 +261,9 @@ class LayerGraphs:
     def uninstall(self):
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
+        for captured in self.captured:
+            for linear in captured.te_fp8_linears:
+                linear.disable_parameter_transpose_cache = False
 
 
 def call_signature(hidden_TBH: torch.Tensor, tensor_kwargs: Dict[str, torch.Tensor]) -> Tuple:

@@ -22,6 +22,11 @@ from megatron.moe_patches.graph_scopes import GraphScope
 from megatron.moe_patches.plan.exchange import ALLGATHER, ALLTOALL, SYMMETRIC_MEMORY, ExchangeChoice
 from megatron.moe_patches.plan.sizes import ep_size, expert_tp_size
 
+# FP8 recipes whose scales the kernels compute on the device from the tensor at hand (TE's
+# current scaling, blockwise): a whole layer under them replays without TE's host state.
+GRAPHED_FP8_RECIPES = ("tensorwise", "blockwise")
+
+
 def graph_blocker(config, backend, blockers, exchange: ExchangeChoice, scope: GraphScope) -> Optional[str]:
     """Why this config's MoE layer cannot be captured as one CUDA graph, or None. ``blockers``:
     each backend with why it cannot run the config (named where the chosen one takes host
@@ -89,9 +94,12 @@ def _host_counts_blocker(backend, blockers) -> Optional[str]:
 
 def _whole_layer_blocker(config) -> Optional[str]:
     """What the attention around the MoE layer adds when the whole layer is one graph."""
-    if config.fp8 or getattr(config, "fp4", None):
-        return ("FP8 (or FP4) in the attention's Transformer Engine layers keeps TE's state, which this capture "
-                "does not manage (it refreshes the experts' FP8 weights only): use --cuda-graph-scope moe")
+    if getattr(config, "fp4", None):
+        return "FP4 in the attention's Transformer Engine layers (not verified inside the captured layer)"
+    if config.fp8 and config.fp8_recipe not in GRAPHED_FP8_RECIPES:
+        return (f"--fp8-recipe {config.fp8_recipe}: its scales live in Transformer Engine's host-updated state, "
+                f"which a replayed layer would not update; use --fp8-recipe {' or '.join(GRAPHED_FP8_RECIPES)}, "
+                "or --cuda-graph-scope moe")
     if config.attention_dropout or config.hidden_dropout:
         return ("dropout inside the captured layer (--attention-dropout, --hidden-dropout): that its random "
                 "numbers are new at every replay is not verified yet; set both to 0, or use --cuda-graph-scope moe")
@@ -115,9 +123,9 @@ def full_iteration_blocker(config, backend, blockers, exchange: ExchangeChoice, 
     reason = _host_sync_blocker(config, backend, blockers, exchange) or _host_counts_blocker(backend, blockers)
     if reason is not None:
         return reason
-    if hasattr(backend, "refresh_weight_caches"):
-        return (f"the {backend.name} experts refresh their FP8 weight copies from the host after each optimizer "
-                "step, which a replayed iteration would skip: use --cuda-graph-scope moe")
+    # The FP8 experts' and TE's weight copies refresh at a step's first micro-batch, which the
+    # graph holds: the capture quantizes there and each replay does again. (Delayed scaling,
+    # whose amax history the host updates, runs the te experts: refused above for host counts.)
     if config.cuda_graph_warmup_steps < 1:
         return ("--cuda-graph-warmup-steps 0: the first iteration would be captured before anything ran "
                 "(the exchange's buffers, the kernels' first launches); use at least 1")
