@@ -45,6 +45,31 @@ def host_copies(monkeypatch):
     return copies
 
 
+
+@pytest.fixture
+def quantizations(monkeypatch):
+    """How often each FP8 weight cache built during the test quantized its weights
+    (``counts[cache]``): a counting stand-in wraps the quantize each cache is built with."""
+    import collections
+
+    from megatron.moe_patches.experts import fp8_grouped_mm
+
+    counts = collections.Counter()
+    build = fp8_grouped_mm.FP8WeightCache.__init__
+
+    def counting_build(cache, *args, **kwargs):
+        build(cache, *args, **kwargs)
+        quantize = cache._quantize
+
+        def counted(*q_args):
+            counts[cache] += 1
+            return quantize(*q_args)
+
+        cache._quantize = counted
+
+    monkeypatch.setattr(fp8_grouped_mm.FP8WeightCache, "__init__", counting_build)
+    return counts
+
 # Many test subprocesses (pretrain_gpt.py runs, workers) run side by side; each would start one
 # OpenMP thread per core for its little CPU work. Share the cores out instead (children inherit
 # it; torchrun sets 1 for its workers anyway). A value the user set wins.

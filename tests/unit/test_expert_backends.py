@@ -321,7 +321,7 @@ def test_grouped_mm_padded_rows_change_nothing(bias):
         assert (got.float() - want.float()).abs().max() <= 2.0**-7 * want.float().abs().max()
 
 
-def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
+def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then(quantizations):
     """What F11 calls before each replay: a no-op until megatron-core's schedule marks a step's
     first micro-batch (after the optimizer stepped); then the FP8 copies of each FC are
     requantized into the tensors the captured GEMMs read."""
@@ -333,14 +333,14 @@ def test_fp8_backend_refreshes_stale_weight_copies_in_place_and_only_then():
     backend.refresh_weight_caches()
     held = [(c.weights.w8_EOI, c.weights.scale_inv_E) for c in caches]
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in caches] == [1, 1]
+    assert [quantizations[c] for c in caches] == [1, 1]
     with torch.no_grad():
         owner.linear_fc2.weight1.data.mul_(4)  # what an optimizer step changes, unseen by the counters
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in caches] == [1, 1]  # no new step marked: the copies stay
+    assert [quantizations[c] for c in caches] == [1, 1]  # no new step marked: the copies stay
     owner.set_is_first_microbatch()  # megatron-core's schedule, at the next step's first micro-batch
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in caches] == [2, 2]
+    assert [quantizations[c] for c in caches] == [2, 2]
     assert all(c.weights.w8_EOI is w and c.weights.scale_inv_E is s for c, (w, s) in zip(caches, held))
     w8_EOI, _, scale_inv_E = fp8.quantize_weights(f8.grouped_param(owner.linear_fc2).detach())
     assert torch.equal(caches[1].weights.w8_EOI.float(), w8_EOI.float()) and torch.equal(caches[1].weights.scale_inv_E, scale_inv_E)

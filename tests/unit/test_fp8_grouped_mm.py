@@ -103,7 +103,7 @@ def expert_linear(experts=3, out_features=4, in_features=8):
     return linear
 
 
-def test_weight_cache_refreshes_only_when_the_weights_may_have_changed():
+def test_weight_cache_refreshes_only_when_the_weights_may_have_changed(quantizations):
     linear = expert_linear()
     params = list(linear.parameters())
     cache = fp8.FP8WeightCache()
@@ -111,19 +111,19 @@ def test_weight_cache_refreshes_only_when_the_weights_may_have_changed():
     cache.get(linear, w)
     first = cache.weights.w8_EOI
     cache.get(linear, w)
-    assert cache.refreshes == 1 and cache.weights.w8_EOI is first  # same weights: no requantization
+    assert quantizations[cache] == 1 and cache.weights.w8_EOI is first  # same weights: no requantization
     # dgrad layout: the same FP8 values, transposed
     assert torch.equal(cache.weights.w8_EIO.float(), cache.weights.w8_EOI.transpose(1, 2).float())
     with torch.no_grad():
         params[1].mul_(2)  # written in place (a checkpoint load): its version moves
     cache.get(linear, torch.stack([p.detach() for p in params]))
-    assert cache.refreshes == 2
+    assert quantizations[cache] == 2
     linear.is_first_microbatch = True  # megatron-core's schedule: a new step's first micro-batch
     cache.get(linear, w)
-    assert cache.refreshes == 3 and linear.is_first_microbatch is False
+    assert quantizations[cache] == 3 and linear.is_first_microbatch is False
 
 
-def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
+def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values(quantizations):
     """F11's graphs captured GEMMs that read the cached copies: a refresh must land there."""
     linear = expert_linear()
     params = list(linear.parameters())
@@ -136,7 +136,7 @@ def test_a_refresh_writes_the_same_tensors_with_the_new_weights_values():
     w_EOI = torch.stack([p.detach() for p in params])
     assert cache.stale(linear)
     cache.get(linear, w_EOI)
-    assert not cache.stale(linear) and cache.refreshes == 2
+    assert not cache.stale(linear) and quantizations[cache] == 2
     assert all(a is b for a, b in zip(held, (cache.weights.w8_EOI, cache.weights.w8_EIO, cache.weights.scale_inv_E)))
     assert [t.data_ptr() for t in held] == pointers
     rows = w_EOI.reshape(-1, w_EOI.shape[-1])

@@ -84,7 +84,7 @@ def assert_cache_holds(cache, expected):
     assert torch.equal(cache.weights.w8_EIO.view(torch.uint8), w8_EIO.view(torch.uint8))
 
 
-def test_the_steps_first_micro_batch_refreshes_the_copies_a_graph_replays():
+def test_the_steps_first_micro_batch_refreshes_the_copies_a_graph_replays(quantizations):
     owner, backend = fp8_backend()
     linears = (owner.linear_fc1, owner.linear_fc2)
     backend.refresh_weight_caches()  # the warm-up before a capture quantizes once
@@ -92,23 +92,23 @@ def test_the_steps_first_micro_batch_refreshes_the_copies_a_graph_replays():
     held = [(c.weights.w8_EOI, c.weights.w8_EIO, c.weights.scale_inv_E) for c in caches]
     old = [c.weights.w8_EOI.clone() for c in caches]
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in caches] == [1, 1]  # nothing changed: no requantization
+    assert [quantizations[c] for c in caches] == [1, 1]  # nothing changed: no requantization
 
     params = list(owner.parameters())
     assert step_like_training(megatron_bf16_optimizer(params), params)  # invisible to the counters
     owner.set_is_first_microbatch()  # megatron-core's schedule, at the next step's first micro-batch
     backend.refresh_weight_caches()  # what F11 runs before the next replay
-    assert [c.refreshes for c in caches] == [2, 2]
+    assert [quantizations[c] for c in caches] == [2, 2]
     for cache, linear, tensors, before in zip(caches, linears, held, old):
         assert_cache_holds(cache, current_fp8(linear))
         assert not torch.equal(cache.weights.w8_EOI.view(torch.uint8), before.view(torch.uint8))
         # in place: the graph's GEMMs read these very tensors
         assert all(a is b for a, b in zip(tensors, (cache.weights.w8_EOI, cache.weights.w8_EIO, cache.weights.scale_inv_E)))
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in caches] == [2, 2]  # once per step, not per micro-batch
+    assert [quantizations[c] for c in caches] == [2, 2]  # once per step, not per micro-batch
 
 
-def test_the_steps_first_micro_batch_refreshes_the_copies_of_a_grouped_weight_in_eager_forwards():
+def test_the_steps_first_micro_batch_refreshes_the_copies_of_a_grouped_weight_in_eager_forwards(quantizations):
     owner, backend = fp8_backend(moe_single_grouped_weight=True)
     fc2 = owner.linear_fc2
     assert tuple(fc2.weight.shape) == (EXPERTS, OUT, IN)  # one [E, out, in] parameter
@@ -116,13 +116,13 @@ def test_the_steps_first_micro_batch_refreshes_the_copies_of_a_grouped_weight_in
     cache.get(fc2, grouped_param(fc2))  # a forward's FC2 GEMM: quantizes on first use
     before = cache.weights.w8_EOI.clone()
     cache.get(fc2, grouped_param(fc2))  # the next micro-batch
-    assert cache.refreshes == 1 and fc2.is_first_microbatch is False
+    assert quantizations[cache] == 1 and fc2.is_first_microbatch is False
 
     params = list(owner.parameters())
     assert step_like_training(megatron_bf16_optimizer(params), params)
     owner.set_is_first_microbatch()
     cache.get(fc2, grouped_param(fc2))
-    assert cache.refreshes == 2
+    assert quantizations[cache] == 2
     assert_cache_holds(cache, current_fp8(fc2))
     assert not torch.equal(cache.weights.w8_EOI.view(torch.uint8), before.view(torch.uint8))
 
@@ -143,7 +143,7 @@ def test_a_step_that_changes_nothing_the_counters_see_needs_the_schedules_mark()
     assert cache.stale(fc1)
 
 
-def test_disabled_parameter_transpose_caches_requantize_every_forward():
+def test_disabled_parameter_transpose_caches_requantize_every_forward(quantizations):
     """megatron-core's disable_parameter_transpose_cache config field: its TE layers then
     requantize their weights at every forward; so do these."""
     owner, backend = fp8_backend()
@@ -151,10 +151,10 @@ def test_disabled_parameter_transpose_caches_requantize_every_forward():
         linear.disable_parameter_transpose_cache = True  # megatron-core's TE wrapper copies the config's
     backend.refresh_weight_caches()
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in backend._caches.values()] == [2, 2]
+    assert [quantizations[c] for c in backend._caches.values()] == [2, 2]
 
 
-def test_a_weight_written_in_place_refreshes_its_own_fc_only():
+def test_a_weight_written_in_place_refreshes_its_own_fc_only(quantizations):
     """A write that the parameter's counter sees (a checkpoint load's copy_) makes that FC's
     copies stale and leaves the untouched FC's copies alone: no step, no requantization."""
     owner, backend = fp8_backend()
@@ -164,6 +164,6 @@ def test_a_weight_written_in_place_refreshes_its_own_fc_only():
     with torch.no_grad():
         owner.linear_fc1.weight2.mul_(-2)
     backend.refresh_weight_caches()
-    assert [c.refreshes for c in caches] == [2, 1]
+    assert [quantizations[c] for c in caches] == [2, 1]
     assert_cache_holds(caches[0], current_fp8(owner.linear_fc1))
     assert torch.equal(caches[1].weights.w8_EOI.view(torch.uint8), untouched.view(torch.uint8))
