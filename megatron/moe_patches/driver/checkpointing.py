@@ -62,7 +62,6 @@ from megatron.moe_patches.checkpoint.on_disk import (  # noqa: F401
     latest_iteration,
     missing_checkpoint_refusal,
     newest_complete_iteration,
-    optimizer_layout_refusal,
     optimizer_layouts_saved_at,
     read_common_state,
     read_tensor_index,
