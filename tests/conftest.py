@@ -94,11 +94,17 @@ def _background_key(item):
     return (item.module.__name__, item.originalname, value), function
 
 
+def _skipped(item):
+    """Skipped at collection: a skip marker, or a skipif whose condition is already True."""
+    return item.get_closest_marker("skip") is not None or any(
+        marker.args and marker.args[0] is True for marker in item.iter_markers("skipif"))
+
+
 def pytest_collection_finish(session):
     jobs = {}
     for item in session.items:
         key, function = _background_key(item)
-        if key is not None and item.get_closest_marker("skip") is None:
+        if key is not None and not _skipped(item):
             jobs[key] = function
     if not jobs:
         return

@@ -10,12 +10,15 @@ gradient-accumulation fusion (F13) and the sync-free MoE layer:
 - whole layers under --overlap-grad-reduce (DDP counts every gradient of a replayed layer).
 
 Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout (the driver's runs
-need it too: they are compared with the same eager losses)."""
+need it too: they are compared with the same eager losses). The runs start when collection ends
+(``BACKGROUND``, tests/conftest.py), side by side, each at most once per session."""
 
 import re
+import threading
 
 import pytest
 
+from pretrain_runs import later
 from test_megatron_lm_client import LAYERS, NO_FUSION, TINY, driver, megatron_lm, pytestmark  # noqa: F401
 
 FAST = ["--moe-device-tokens-per-expert"]
@@ -47,31 +50,43 @@ def run(loop, *flags):
     return driver_losses(*flags)
 
 
-_eager = {}
+_runs, _runs_lock = {}, threading.Lock()
 
 
-def eager_losses(loop):
-    """The eager run of ``loop``, once per session (every scope compares with it)."""
-    if loop not in _eager:
-        _eager[loop] = run(loop, *FAST, *NO_NAN_CHECK)[0]
-    return _eager[loop]
+def shared(loop, *flags):
+    """Future of ``run(loop, *flags)``, started once per session whichever test asks first (every
+    scope compares with the same eager run)."""
+    with _runs_lock:
+        if (loop, flags) not in _runs:
+            _runs[loop, flags] = later(run, loop, *flags)
+        return _runs[loop, flags]
+
+
+EAGER = [*FAST, *NO_NAN_CHECK]
+OVERLAP = ["--overlap-grad-reduce"]
+
+
+def scope_runs(loop_scope):
+    loop, scope = loop_scope
+    return shared(loop, *EAGER), shared(loop, *EAGER, *SCOPES[scope])
+
+
+def overlap_runs(loop):
+    return shared(loop, *EAGER, *OVERLAP), shared(loop, *EAGER, *OVERLAP, *SCOPES["whole-layer-te"])
 
 
 @pytest.mark.parametrize("scope", list(SCOPES))
 @pytest.mark.parametrize("loop", ["megatron-lm", "driver"])
-def test_more_of_the_step_in_graphs_equals_eager(loop, scope):
-    eager = eager_losses(loop)
-    graphed, output = run(loop, *FAST, *NO_NAN_CHECK, *SCOPES[scope])
+def test_more_of_the_step_in_graphs_equals_eager(loop, scope, background):
+    (eager, _), (graphed, output) = (future.result() for future in background)
     check_graphed(scope, eager, graphed, output, loop)
 
 
 @pytest.mark.parametrize("loop", ["megatron-lm", "driver"])
-def test_whole_layers_with_overlapped_gradient_reduction_equal_eager(loop):
+def test_whole_layers_with_overlapped_gradient_reduction_equal_eager(loop, background):
     """DDP's overlapped reduction counts every parameter's gradient (it asserts one arrives):
     the fused-wgrad linears inside a replayed layer hand it a placeholder, as in eager runs."""
-    overlap = ["--overlap-grad-reduce"]
-    eager, _ = run(loop, *FAST, *NO_NAN_CHECK, *overlap)
-    graphed, output = run(loop, *FAST, *NO_NAN_CHECK, *overlap, *SCOPES["whole-layer-te"])
+    (eager, _), (graphed, output) = (future.result() for future in background)
     check_graphed("whole-layer-te", eager, graphed, output, loop)
 
 
@@ -82,26 +97,32 @@ FP8_WHOLE_LAYERS = {
 }
 
 
-_fp8_eager = {}
+def fp8_runs(precision_scope):
+    precision, scope = precision_scope
+    fp8 = FP8_WHOLE_LAYERS[precision]
+    return (shared("megatron-lm", *EAGER), shared("megatron-lm", *EAGER, *fp8),
+            shared("megatron-lm", *EAGER, *fp8, *SCOPES[scope]))
+
+
+BACKGROUND = {  # each gives its test the Futures of its runs
+    "test_more_of_the_step_in_graphs_equals_eager": (("loop", "scope"), scope_runs),
+    "test_whole_layers_with_overlapped_gradient_reduction_equal_eager": ("loop", overlap_runs),
+    "test_fp8_graphs_equal_eager_and_track_bf16": (("precision", "scope"), fp8_runs),
+}
 
 
 @pytest.mark.parametrize("scope", ["whole-layer-te", "full-iteration"])
 @pytest.mark.parametrize("precision", list(FP8_WHOLE_LAYERS))
-def test_fp8_graphs_equal_eager_and_track_bf16(precision, scope):
+def test_fp8_graphs_equal_eager_and_track_bf16(precision, scope, background):
     """FP8 in whole-layer and full-iteration graphs, in Megatron-LM's loop with its default
     gradient-accumulation fusion: TE's attention linears and the FP8 experts quantize their
     weights inside the graph at each step's first micro-batch, the FP8 experts add their weight
     gradients into main_grad (F13, not DDP's hook). Graphed losses equal the eager run's at
     every iteration (stale FP8 weights would part them after the first optimizer step) and
     stay within 5 % of bf16's."""
-    fp8 = FP8_WHOLE_LAYERS[precision]
-    if precision not in _fp8_eager:
-        _fp8_eager[precision], output = run("megatron-lm", *FAST, *NO_NAN_CHECK, *fp8)
-        assert "run the TE backend" not in output and "(not fused)" not in output, output[-3000:]
-    eager = _fp8_eager[precision]
-    graphed, output = run("megatron-lm", *FAST, *NO_NAN_CHECK, *fp8, *SCOPES[scope])
+    (bf16, _), (eager, eager_output), (graphed, output) = (future.result() for future in background)
+    assert "run the TE backend" not in eager_output and "(not fused)" not in eager_output, eager_output[-3000:]
     check_graphed(scope, eager, graphed, output, "megatron-lm")
-    bf16 = eager_losses("megatron-lm")
     for step in bf16:
         assert float(eager[step]) == pytest.approx(float(bf16[step]), rel=0.05)
 

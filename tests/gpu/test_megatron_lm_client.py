@@ -13,15 +13,22 @@ lines README adds (megatron.moe_patches.testing.megatron_lm_pretrain), a tiny GP
 - The driver's sample-based schedule, batch-size ramp-up and evaluation follow Megatron-LM's
   on the same flags.
 
-Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout."""
+Runs only where MEGATRON_LM_PATH names a Megatron-LM core_v0.16.1 checkout. Each run is a
+process of a tiny model, which leaves most of a GPU idle: the runs without paths start when
+collection ends (``BACKGROUND``, tests/conftest.py), side by side in pretrain_runs' process
+slots, each at most once per session whichever test asks for it."""
 
+import functools
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+
+from pretrain_runs import later, process_slot  # tests/gpu is on sys.path (conftest.py)
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(
@@ -69,7 +76,8 @@ def megatron_lm(*flags, iters=8, expect_failure=False, stock=False, fusion=False
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), CHECKOUT]))
     if stock:
         env["MEGATRON_LM_AS_SHIPPED"] = "1"
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    with process_slot:
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
     output = run.stdout + run.stderr
     if expect_failure:
         assert run.returncode != 0, output[-3000:]
@@ -79,6 +87,19 @@ def megatron_lm(*flags, iters=8, expect_failure=False, stock=False, fusion=False
               for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", run.stdout)}
     assert losses and max(losses) == iters, output[-3000:]
     return losses, output
+
+
+_shared, _shared_lock = {}, threading.Lock()
+
+
+def shared(*flags, **options):
+    """Future of ``megatron_lm(*flags, **options)``, started once per session whichever test asks
+    first: a run without paths is the same run wherever it is asked for."""
+    key = (flags, tuple(sorted(options.items())))
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = later(functools.partial(megatron_lm, *flags, **options))
+        return _shared[key]
 
 
 def _port():
@@ -94,28 +115,44 @@ def captured_layers(output):
     return counts
 
 
+def graphed_training_runs(impl_precision):
+    impl, precision = impl_precision
+    extra = FAST + (FP8 if precision == "fp8" else [])
+    return shared(*extra), shared(*extra, *graphs(impl))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
-def test_graphed_training_captures_every_moe_layer_and_equals_eager(impl, precision):
-    extra = FAST + (FP8 if precision == "fp8" else [])
-    eager, _ = megatron_lm(*extra)
-    graphed, output = megatron_lm(*extra, *graphs(impl))
+def test_graphed_training_captures_every_moe_layer_and_equals_eager(impl, precision, background):
+    (eager, _), (graphed, output) = (run.result() for run in background)
     print(f"{impl} {precision}: captured {captured_layers(output)} of {LAYERS} MoE layers; "
           f"eager {eager}; graphed {graphed}")
     assert captured_layers(output) == [LAYERS]
     assert graphed == eager  # the printed losses, every iteration (replays are bitwise eager)
 
 
-@pytest.mark.parametrize("wgrad", [[], ["--no-fp8-wgrad"]], ids=["fp8-wgrad", "bf16-wgrad"])
-def test_blockwise_fp8_trains_on_the_fast_path_and_tracks_bf16(wgrad):
+WGRAD = {"fp8-wgrad": [], "bf16-wgrad": ["--no-fp8-wgrad"]}
+
+
+def blockwise_runs(wgrad):
+    flags = [*FAST, *FP8_BLOCKWISE, *WGRAD[wgrad]]
+    return shared(*FAST), shared(*flags), shared(*flags, *graphs("local"))
+
+
+BACKGROUND = {  # each gives its test the Futures of its runs
+    "test_graphed_training_captures_every_moe_layer_and_equals_eager": (("impl", "precision"), graphed_training_runs),
+    "test_blockwise_fp8_trains_on_the_fast_path_and_tracks_bf16": ("wgrad", blockwise_runs),
+}
+
+
+@pytest.mark.parametrize("wgrad", list(WGRAD))
+def test_blockwise_fp8_trains_on_the_fast_path_and_tracks_bf16(wgrad, background):
     """--fp8-recipe blockwise under Megatron-LM's loop: the FP8 grouped-GEMM experts run (no
     fallback to TE's experts is logged), graphed training equals eager, and the loss curve
     tracks bf16's within 5 %; with --no-fp8-wgrad too (where DeepGEMM is installed the
     dispatcher then writes the experts' FP8 rows as it permutes)."""
-    bf16, _ = megatron_lm(*FAST)
-    eager, output = megatron_lm(*FAST, *FP8_BLOCKWISE, *wgrad)
-    assert "run the TE backend" not in output, output[-3000:]
-    graphed, output = megatron_lm(*FAST, *FP8_BLOCKWISE, *wgrad, *graphs("local"))
+    (bf16, _), (eager, eager_output), (graphed, output) = (run.result() for run in background)
+    assert "run the TE backend" not in eager_output, eager_output[-3000:]
     print(f"blockwise {wgrad}: eager {eager}; graphed {graphed}; bf16 {bf16}")
     assert captured_layers(output) == [LAYERS]
     assert graphed == eager
@@ -146,8 +183,7 @@ def test_the_expert_exchange_trains_graphed_at_ep_and_tracks_ep1(ep):
 
 
 def test_the_series_at_its_defaults_trains_as_stock_megatron_lm():
-    patched, _ = megatron_lm()
-    stock, _ = megatron_lm(stock=True)
+    (patched, _), (stock, _) = (run.result() for run in (shared(), shared(stock=True)))
     assert patched == stock
 
 
@@ -178,11 +214,10 @@ def test_use_checkpoint_args_restores_the_patch_flags(tmp_path):
 
 
 def test_gradient_accumulation_fusion_trains_without_apex():
-    unfused, _ = megatron_lm(*FAST)
-    fused, output = megatron_lm(*FAST, fusion=True)
-    assert "fused_weight_gradient_mlp_cuda" not in output
-    graphed, output = megatron_lm(*FAST, *graphs("transformer_engine"), fusion=True)
-    te_experts, _ = megatron_lm(fusion=True)  # the series at its defaults: TE's own fusion
+    runs = (shared(*FAST), shared(*FAST, fusion=True), shared(*FAST, *graphs("transformer_engine"), fusion=True),
+            shared(fusion=True))  # the last: the series at its defaults, TE's own fusion
+    (unfused, _), (fused, fused_output), (graphed, output), (te_experts, _) = (run.result() for run in runs)
+    assert "fused_weight_gradient_mlp_cuda" not in fused_output
     print(f"fusion: unfused {unfused}; fused {fused}; graphed {graphed}; TE experts {te_experts}")
     assert captured_layers(output) == [LAYERS]
     assert graphed == fused  # replays add into main_grad what the eager backward adds
@@ -214,7 +249,8 @@ def driver(*flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_port()),
            str(Path(__file__).resolve().parents[2] / "pretrain_gpt.py"), *flags]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    with process_slot:
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return run.stdout
 
@@ -233,7 +269,8 @@ def test_samples_rampup_and_evaluation_follow_megatron_lms_loop():
            "-m", "megatron.moe_patches.testing.megatron_lm_pretrain", *flags]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", NCCL_ALGO="Ring")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), CHECKOUT]))
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
+    with process_slot:
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     theirs, their_evals = schedule(run.stdout)
     # the driver keeps megatron-core's process-group defaults (it refuses a timeout flag by name)

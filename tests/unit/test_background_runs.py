@@ -1,0 +1,69 @@
+"""The test suite's background runs (tests/conftest.py, ``BACKGROUND``): a test's run starts when
+collection ends and the test gets its result; a test skipped at collection, by a skip marker or a
+skipif already true (a module's ``pytestmark`` without MEGATRON_LM_PATH), starts none."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+MODULE = '''
+import time
+
+import pytest
+
+STARTED = []
+
+
+def job(n):
+    STARTED.append(n)
+    return n * 2
+
+
+BACKGROUND = {"test_gets_its_result": ("n", job), "test_skipped_by_skipif": ("n", job),
+              "test_skipped_by_skip": ("n", job)}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_gets_its_result(n, background):
+    assert background == n * 2
+
+
+@pytest.mark.skipif(True, reason="not on this machine")
+@pytest.mark.parametrize("n", [10])
+def test_skipped_by_skipif(n, background):
+    pass
+
+
+@pytest.mark.skip(reason="never")
+@pytest.mark.parametrize("n", [20])
+def test_skipped_by_skip(n, background):
+    pass
+
+
+@pytest.mark.skipif(False, reason="runs")
+@pytest.mark.parametrize("n", [3])
+def test_kept_by_a_false_skipif(n, background):
+    assert background == 6
+
+
+BACKGROUND["test_kept_by_a_false_skipif"] = ("n", job)
+
+
+def test_only_the_tests_that_run_started_runs():
+    time.sleep(0.5)  # a started job appends at once
+    assert sorted(STARTED) == [1, 2, 3]
+'''
+
+
+def test_tests_skipped_at_collection_start_no_runs(tmp_path):
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_jobs.py").write_text(textwrap.dedent(MODULE))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                          "--rootdir", str(tmp_path), str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "4 passed, 2 skipped" in run.stdout, run.stdout[-2000:]
