@@ -161,6 +161,19 @@ def later(function, *args):
     return _threads.submit(function, *args)
 
 
+_once, _once_lock = {}, threading.Lock()
+
+
+def later_once(function, *args):
+    """``later(function, *args)``, started at most once per session for the same function and
+    arguments, whichever test asks first: the Future every asker shares (an eager run several
+    tests compare with, a checkpoint several round trips start from)."""
+    with _once_lock:
+        if (function, args) not in _once:
+            _once[function, args] = later(function, *args)
+        return _once[function, args]
+
+
 def side_by_side(jobs):
     """{key: (function, *args)} run concurrently -> {key: Future} (all finished)."""
     futures = {key: later(*job) for key, job in jobs.items()}

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from pretrain_runs import (  # tests/gpu is on sys.path (conftest.py)
     STEPS,
     differences,
     later,
+    later_once,
     pretrain,
     process_slot,
     tensors,
@@ -48,16 +48,10 @@ def train_a(layout):
     return root, losses[STEPS + 1]
 
 
-_trained, _trained_lock = {}, threading.Lock()
-
-
 def trained(layout):
     """Future of (checkpoint A of ``layout`` at STEPS, the loss of its step STEPS + 1), trained
     once whichever test asks first."""
-    with _trained_lock:
-        if layout not in _trained:
-            _trained[layout] = later(train_a, layout)
-        return _trained[layout]
+    return later_once(train_a, layout)
 
 
 def round_trip(x, y):

@@ -14,11 +14,10 @@ need it too: they are compared with the same eager losses). The runs start when 
 (``BACKGROUND``, tests/conftest.py), side by side, each at most once per session."""
 
 import re
-import threading
 
 import pytest
 
-from pretrain_runs import later
+from pretrain_runs import later_once
 from test_megatron_lm_client import LAYERS, NO_FUSION, TINY, driver, megatron_lm, pytestmark  # noqa: F401
 
 FAST = ["--moe-device-tokens-per-expert"]
@@ -50,16 +49,10 @@ def run(loop, *flags):
     return driver_losses(*flags)
 
 
-_runs, _runs_lock = {}, threading.Lock()
-
-
 def shared(loop, *flags):
     """Future of ``run(loop, *flags)``, started once per session whichever test asks first (every
     scope compares with the same eager run)."""
-    with _runs_lock:
-        if (loop, flags) not in _runs:
-            _runs[loop, flags] = later(run, loop, *flags)
-        return _runs[loop, flags]
+    return later_once(run, loop, *flags)
 
 
 EAGER = [*FAST, *NO_NAN_CHECK]

@@ -18,17 +18,15 @@ process of a tiny model, which leaves most of a GPU idle: the runs without paths
 collection ends (``BACKGROUND``, tests/conftest.py), side by side in pretrain_runs' process
 slots, each at most once per session whichever test asks for it."""
 
-import functools
 import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from pretrain_runs import later, process_slot  # tests/gpu is on sys.path (conftest.py)
+from pretrain_runs import later_once, process_slot  # tests/gpu is on sys.path (conftest.py)
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(
@@ -89,17 +87,14 @@ def megatron_lm(*flags, iters=8, expect_failure=False, stock=False, fusion=False
     return losses, output
 
 
-_shared, _shared_lock = {}, threading.Lock()
+def _megatron_lm_with(options, *flags):
+    return megatron_lm(*flags, **dict(options))
 
 
 def shared(*flags, **options):
     """Future of ``megatron_lm(*flags, **options)``, started once per session whichever test asks
     first: a run without paths is the same run wherever it is asked for."""
-    key = (flags, tuple(sorted(options.items())))
-    with _shared_lock:
-        if key not in _shared:
-            _shared[key] = later(functools.partial(megatron_lm, *flags, **options))
-        return _shared[key]
+    return later_once(_megatron_lm_with, tuple(sorted(options.items())), *flags)
 
 
 def _port():
