@@ -1,6 +1,9 @@
 """What the checkpoint GPU tests share: tiny-recipe pretrain_gpt.py runs of each expert
 layout, run side by side, and the checkpoints' tensors compared entry by entry."""
 
+import contextvars
+import heapq
+import itertools
 import os
 import re
 import shutil
@@ -151,17 +154,50 @@ def differences(a, b, tensors_only=False):
 # The runs are pretrain_gpt.py processes of a tiny model, which leaves most of a GPU idle:
 # independent runs go side by side, at most this many processes at a time.
 PARALLEL = int(os.environ.get("MOE_PATCHES_GPU_PARALLEL", "6"))
-process_slot = threading.BoundedSemaphore(PARALLEL)  # held while a run's process lives
+# A run's rank: the order in which the request that started its chain came (tests ask in
+# pytest's order when collection ends); None on a test's own thread, which waits on it now.
+_rank = contextvars.ContextVar("run_rank", default=None)
+_ranks = itertools.count()
+
+
+class OrderedSlots:
+    """At most ``size`` run processes at a time; a freed slot goes to the waiting run of the
+    lowest rank (a test's own thread first). Results then come in the order pytest reports
+    them: the second run of a chain does not queue behind every later test's first run, which
+    left the first test waiting for the whole suite's runs before it printed anything."""
+
+    def __init__(self, size):
+        self._free, self._waiting, self._changed = size, [], threading.Condition()
+        self._tickets = itertools.count()
+
+    def __enter__(self):
+        rank = _rank.get()
+        me = (-1 if rank is None else rank, next(self._tickets))
+        with self._changed:
+            heapq.heappush(self._waiting, me)
+            self._changed.wait_for(lambda: self._free > 0 and self._waiting[0] == me)
+            heapq.heappop(self._waiting)
+            self._free -= 1
+            self._changed.notify_all()  # the next in line may take another free slot
+
+    def __exit__(self, *exc_info):
+        with self._changed:
+            self._free += 1
+            self._changed.notify_all()
+
+
+process_slot = OrderedSlots(PARALLEL)  # held while a run's process lives
 _threads = ThreadPoolExecutor(64)  # threads that wait on runs cost nothing: the slots cap the work
 
 
 def later(function, *args):
     """Start ``function(*args)`` in a thread now; its Future. Chains of runs (A, then B from A)
-    go this way: a waiting thread holds no process slot."""
-    return _threads.submit(function, *args)
-
-
-_once, _once_lock = {}, threading.Lock()
+    go this way: a waiting thread holds no process slot, and the chain keeps the rank of the
+    request that started it."""
+    context = contextvars.copy_context()
+    if context.get(_rank) is None:
+        context.run(_rank.set, next(_ranks))
+    return _threads.submit(context.run, function, *args)
 
 
 def later_once(function, *args):

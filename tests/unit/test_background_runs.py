@@ -2,10 +2,13 @@
 collection ends and the test gets its result; a test skipped at collection, by a skip marker or a
 skipif already true (a module's ``pytestmark`` without MEGATRON_LM_PATH), starts none."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -67,3 +70,62 @@ def test_tests_skipped_at_collection_start_no_runs(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "4 passed, 2 skipped" in run.stdout, run.stdout[-2000:]
+
+
+def _pretrain_runs():
+    """A fresh copy of tests/gpu/pretrain_runs.py (its own slots, ranks and threads)."""
+    spec = importlib.util.spec_from_file_location("pretrain_runs_copy", TESTS / "gpu" / "pretrain_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _until(condition):
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_chain_keeps_its_rank_and_goes_before_later_requests():
+    """Requests A, B, C start in that order while the one slot is taken; A's next run, asked
+    for after B and C queued, still goes first (first in, first out gives B, C, A: the first
+    test waiting for every later test's runs before it can report)."""
+    runs = _pretrain_runs()
+    slot, order, a_ready = runs.OrderedSlots(1), [], threading.Event()
+
+    def one(name):
+        with slot:
+            order.append(name)
+
+    def chain():
+        a_ready.wait(30)
+        runs.later(one, "A").result()
+
+    with slot:  # a test's own thread holds the slot while the requests queue
+        futures = [runs.later(chain), runs.later(one, "B"), runs.later(one, "C")]
+        _until(lambda: len(slot._waiting) == 2)
+        a_ready.set()
+        _until(lambda: len(slot._waiting) == 3)
+    for future in futures:
+        future.result(timeout=30)
+    assert order == ["A", "B", "C"]
+
+
+def test_a_tests_own_thread_goes_before_every_queued_run():
+    runs = _pretrain_runs()
+    slot, order = runs.OrderedSlots(1), []
+
+    def one(name):
+        with slot:
+            order.append(name)
+
+    with slot:
+        futures = [runs.later(one, "B"), runs.later(one, "C")]
+        _until(lambda: len(slot._waiting) == 2)
+        own = threading.Thread(target=one, args=("own",))  # a fresh thread: no rank, like pytest's
+        own.start()
+        _until(lambda: len(slot._waiting) == 3)
+    own.join(30)
+    for future in futures:
+        future.result(timeout=30)
+    assert order == ["own", "B", "C"]
