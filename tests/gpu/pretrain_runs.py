@@ -200,6 +200,9 @@ def later(function, *args):
     return _threads.submit(context.run, function, *args)
 
 
+_once, _once_lock = {}, threading.Lock()
+
+
 def later_once(function, *args):
     """``later(function, *args)``, started at most once per session for the same function and
     arguments, whichever test asks first: the Future every asker shares (an eager run several

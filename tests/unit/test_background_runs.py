@@ -129,3 +129,17 @@ def test_a_tests_own_thread_goes_before_every_queued_run():
     for future in futures:
         future.result(timeout=30)
     assert order == ["own", "B", "C"]
+
+
+def test_later_once_starts_one_run_per_function_and_arguments():
+    runs = _pretrain_runs()
+    calls = []
+
+    def run(name):
+        calls.append(name)
+        return name
+
+    first, again, other = runs.later_once(run, "A"), runs.later_once(run, "A"), runs.later_once(run, "B")
+    assert first is again and other is not first
+    assert (first.result(timeout=30), other.result(timeout=30)) == ("A", "B")
+    assert sorted(calls) == ["A", "B"]
