@@ -10,33 +10,26 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from megatron.moe_patches.driver import checkpointing
 from megatron.moe_patches.driver.functional import free_port
-from pretrain_runs import BASE, ROOT, RunsFolder, later, pretrain, process_slot  # tests/gpu is on sys.path (conftest.py)
+from pretrain_runs import BASE, ROOT, RunsFolder, later, later_once, pretrain, process_slot  # tests/gpu is on sys.path (conftest.py)
 
 STEPS, EVERY, KILLED = 8, 2, 6
 RESUMED = KILLED - EVERY  # the last checkpoint the killed run completed
 POINTS = ["model", "optimizer", "common", "tracker"]
-SAVES = ["--save-interval", str(EVERY)]
+SAVES = ("--save-interval", str(EVERY))
 RUNS = RunsFolder("crash-safe-save-")
 work_dir = RUNS.path
 remove_work_dir = RUNS.removed_after_module()
 
 
-_uninterrupted, _uninterrupted_lock = [], threading.Lock()
-
-
 def uninterrupted():
     """Future of the losses of the run nothing kills, run once whichever test asks first."""
-    with _uninterrupted_lock:
-        if not _uninterrupted:
-            _uninterrupted.append(later(pretrain, "te", STEPS, work_dir() / "uninterrupted", None, ("python",), SAVES))
-        return _uninterrupted[0]
+    return later_once(pretrain, "te", STEPS, work_dir() / "uninterrupted", None, ("python",), SAVES)
 
 
 def killed_run(point, root):
