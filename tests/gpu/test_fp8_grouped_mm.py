@@ -80,6 +80,7 @@ def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgr
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     linear = torch.nn.Module()  # what the cache reads of an FC: its grouped weight, the step's mark
     linear.weight = torch.nn.Parameter((torch.randn(experts, out_features, in_features, device="cuda") / 16).to(torch.bfloat16))
+    linear.grouped_names = frozenset({"weight"})  # one [E, out, in] parameter (F5)
     linear.is_first_microbatch = True
     w = linear.weight
     dy = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)

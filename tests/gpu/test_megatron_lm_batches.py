@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.moe_patches.driver.functional import free_port
+
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = [
     pytest.mark.skipif(not CHECKOUT or not Path(CHECKOUT, "pretrain_gpt.py").exists(),
@@ -64,7 +66,8 @@ print("RESULTS " + json.dumps(results))
 
 def test_tp1_batches_equal_megatron_lms_without_host_waits():
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+               MASTER_PORT=str(free_port()))  # this process may hold init_single_gpu's default port
     run = subprocess.run([sys.executable, "-c", CHILD, CHECKOUT], capture_output=True, text=True, env=env,
                          timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

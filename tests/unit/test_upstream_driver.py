@@ -83,6 +83,7 @@ class UpstreamLikeConfig(StockConfig):
     moe_hybridep_num_blocks_unpermute: Optional[int] = None
     moe_permute_fusion_into_hybridep: bool = False
     cuda_graph_modules: Optional[str] = None
+    moe_flex_dispatcher_num_sms: Optional[int] = None
 
 
 @pytest.fixture
@@ -105,6 +106,15 @@ def test_options_without_a_field_are_left_out_when_off(upstream_like, parsed):
     assert "cuda_graph_scope" not in kwargs and kwargs["cuda_graph_modules"] == []  # renamed upstream; graphs off
     assert kwargs["moe_single_grouped_weight"] is True and kwargs["num_moe_experts"] == 8  # native fields pass
     assert kwargs["cuda_graph_impl"] == "none"
+
+
+@pytest.mark.parametrize("backend, sms", [(None, 20), ("deepep", 20), ("hybridep", 16)])
+def test_flex_dispatcher_sm_counts_pass_as_the_chosen_backends(upstream_like, parsed, backend, sms):
+    # Newer megatron-core refuses the two deprecated per-backend counts when they differ (20, 16).
+    extra = ["--moe-flex-dispatcher-backend", backend] if backend else []
+    kwargs = tiny_kwargs(parsed, *extra)
+    assert "moe_deepep_num_sms" not in kwargs and "moe_hybridep_num_sms" not in kwargs
+    assert kwargs["moe_flex_dispatcher_num_sms"] == sms
 
 
 @pytest.mark.parametrize("extra, expected", [

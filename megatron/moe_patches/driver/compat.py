@@ -65,7 +65,8 @@ def fit_config_kwargs(kwargs: dict) -> dict:
     Where the patch set installs, unchanged. Elsewhere: an option whose config field this
     megatron-core lacks is left out when it is off (None or False) and refused (ValueError
     naming its flag) when it is on; so are CUDA graphs, which this driver captures with the
-    patch set (F11); and the deprecated scope field is not passed where it was renamed.
+    patch set (F11); and deprecated fields are not passed where they were renamed (the graph
+    scope; the flex dispatcher's per-backend SM counts, of which the chosen backend's passes).
     """
     if patch_set_installs():
         return kwargs
@@ -90,6 +91,13 @@ def fit_config_kwargs(kwargs: dict) -> dict:
         # old "full" default warns: graphs are off, so no modules (the whole layer, unused).
         fitted.pop("cuda_graph_scope", None)
         fitted["cuda_graph_modules"] = []
+    if "moe_flex_dispatcher_num_sms" in fields:
+        # One SM count there for whichever flex backend runs; the per-backend fields are its
+        # deprecated aliases, and two different values (Megatron-LM's defaults 20 and 16) are refused.
+        per_backend = {backend: fitted.pop(f"moe_{backend}_num_sms", None) for backend in ("deepep", "hybridep")}
+        backend = fitted.get("moe_flex_dispatcher_backend")
+        if per_backend.get(backend) is not None:
+            fitted["moe_flex_dispatcher_num_sms"] = per_backend[backend]
     return fitted
 
 
