@@ -86,7 +86,7 @@ def test_fp8_grouped_linear_gradients_equal_the_dequantized_math(counts, fp8_wgr
     dy = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
     cache = fp8.FP8WeightCache().get(linear, w)
     columns = fp8.PaddedColumns(offsets_E, rows) if fp8_wgrad else None
-    y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache.weights, columns, None, None)
+    y = fp8._FP8GroupedLinear.apply(x, w, offsets_E, expert_R, cache.weights, columns, None, None, None)  # no main_grad target: w.grad
     y.backward(dy)
 
     def dequantized(t_RC):

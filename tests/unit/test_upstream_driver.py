@@ -108,6 +108,17 @@ def test_options_without_a_field_are_left_out_when_off(upstream_like, parsed):
     assert kwargs["cuda_graph_impl"] == "none"
 
 
+@pytest.mark.parametrize("apex_extension", [False, True])
+def test_gradient_accumulation_fusion_is_off_where_only_apex_could_run_it(upstream_like, parsed, monkeypatch,
+                                                                         apex_extension):
+    # megatron-core's own ColumnParallelLinear raises at construction under the fusion without APEX.
+    real_find_spec = compat.importlib.util.find_spec
+    monkeypatch.setattr(compat.importlib.util, "find_spec", lambda name: (
+        object() if apex_extension else None) if name == "fused_weight_gradient_mlp_cuda" else real_find_spec(name))
+    assert tiny_kwargs(parsed)["gradient_accumulation_fusion"] is apex_extension
+    assert tiny_kwargs(parsed, "--no-gradient-accumulation-fusion")["gradient_accumulation_fusion"] is False
+
+
 @pytest.mark.parametrize("backend, sms", [(None, 20), ("deepep", 20), ("hybridep", 16)])
 def test_flex_dispatcher_sm_counts_pass_as_the_chosen_backends(upstream_like, parsed, backend, sms):
     # Newer megatron-core refuses the two deprecated per-backend counts when they differ (20, 16).

@@ -15,6 +15,8 @@ answers are cheap to recompute; signature probes are kept per probed function.
   the kwargs it takes. Where the patch set does not install, a driver option without a
   config field there is refused by name (or left out when it is off), and where the
   CUDA-graph scope field was renamed ``cuda_graph_modules`` the new one is passed, empty.
+- ``wgrad_fusion_needs_apex``: whether gradient accumulation fusion (Megatron-LM's default)
+  is turned off because only APEX's CUDA extension could run it here (no patch set, F13).
 - ``null_tokenizer``: the mock data's tokenizer with the same token ids everywhere
   (megatron-core's NullTokenizer changed what its argument counts).
 - ``load_takes_common_strategy``: whether ``dist_checkpointing.load`` takes a common-state
@@ -26,6 +28,7 @@ answers are cheap to recompute; signature probes are kept per probed function.
 
 import dataclasses
 import functools
+import importlib.util
 from typing import Optional
 
 from megatron.moe_patches import capabilities as cap
@@ -59,14 +62,22 @@ def _not_here() -> str:
             f"(it installs into megatron-core >= {low}, < {high})")
 
 
+def wgrad_fusion_needs_apex() -> bool:
+    """Whether gradient accumulation fusion cannot run here: without the patch set (F13)
+    megatron-core's own linears add weight gradients into main_grad only through APEX's
+    ``fused_weight_gradient_mlp_cuda``, and it is not installed."""
+    return not patch_set_installs() and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None
+
+
 def fit_config_kwargs(kwargs: dict) -> dict:
     """``kwargs`` (``arguments.transformer_config_kwargs``) as ``config_class()`` takes them.
 
     Where the patch set installs, unchanged. Elsewhere: an option whose config field this
     megatron-core lacks is left out when it is off (None or False) and refused (ValueError
     naming its flag) when it is on; so are CUDA graphs, which this driver captures with the
-    patch set (F11); and deprecated fields are not passed where they were renamed (the graph
-    scope; the flex dispatcher's per-backend SM counts, of which the chosen backend's passes).
+    patch set (F11); deprecated fields are not passed where they were renamed (the graph
+    scope; the flex dispatcher's per-backend SM counts, of which the chosen backend's passes);
+    and gradient accumulation fusion is off where it would need APEX (``wgrad_fusion_needs_apex``).
     """
     if patch_set_installs():
         return kwargs
@@ -86,6 +97,8 @@ def fit_config_kwargs(kwargs: dict) -> dict:
             f"{'it' if len(missing) == 1 else 'them'}, or train on a megatron-core the patch set installs into"
         )
     fitted = {name: value for name, value in kwargs.items() if name in fields}
+    if fitted.get("gradient_accumulation_fusion") and wgrad_fusion_needs_apex():
+        fitted["gradient_accumulation_fusion"] = False  # DDP adds the weight gradients instead (setup says so)
     if "cuda_graph_modules" in fields:
         # The scope field's new name; cuda_graph_scope is its deprecated alias there, and the
         # old "full" default warns: graphs are off, so no modules (the whole layer, unused).
