@@ -63,10 +63,10 @@ def _not_here() -> str:
 
 
 def wgrad_fusion_needs_apex() -> bool:
-    """Whether gradient accumulation fusion cannot run here: without the patch set (F13)
-    megatron-core's own linears add weight gradients into main_grad only through APEX's
-    ``fused_weight_gradient_mlp_cuda``, and it is not installed."""
-    return not patch_set_installs() and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None
+    """Where the patch set does not install (no F13 stand-in): whether gradient accumulation
+    fusion cannot run, megatron-core's own linears asking for APEX's
+    ``fused_weight_gradient_mlp_cuda``, which is not installed."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None
 
 
 def fit_config_kwargs(kwargs: dict) -> dict:
