@@ -460,13 +460,13 @@ def setup(args: argparse.Namespace, verdict: Optional[Verdict] = None):
         from megatron.moe_patches.capabilities import mcore_version
 
         _print_rank0(f"moe_patches: nothing installed; training on megatron-core {mcore_version()}'s own classes")
-        if args.gradient_accumulation_fusion and compat.wgrad_fusion_needs_apex():
-            _print_rank0("moe_patches: gradient accumulation fusion off: without the patch set megatron-core "
-                         "runs it with APEX's fused_weight_gradient_mlp_cuda, which is not installed "
-                         "(DDP adds the weight gradients instead)")
     config = judged_config(verdict, tc_module.TransformerConfig)
     if config is None:
         config = tc_module.TransformerConfig(**transformer_config_kwargs(args))
+    if args.gradient_accumulation_fusion and not config.gradient_accumulation_fusion:  # compat.fit_config_kwargs
+        _print_rank0("moe_patches: gradient accumulation fusion off: without the patch set megatron-core "
+                     "runs it with APEX's fused_weight_gradient_mlp_cuda, which is not installed "
+                     "(DDP adds the weight gradients instead)")
     gpt, model = build_model(args, config)
     optimizer, scheduler = build_optimizer(args, model)
     config.finalize_model_grads_func = finalize_model_grads
